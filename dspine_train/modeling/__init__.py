@@ -1,0 +1,16 @@
+"""The DSpine draft network (SPEC 1-2.4)."""
+
+from .configuration_dspine import DSpineConfig, default_target_layer_ids
+from .context_cache import DraftContextCache
+from .modeling_dspine import DraftProposal, DSpineDraftModel, DSpineTrainOutput
+from .transition_cache import WalkResult
+
+__all__ = [
+    "DSpineConfig",
+    "DSpineDraftModel",
+    "DSpineTrainOutput",
+    "DraftContextCache",
+    "DraftProposal",
+    "WalkResult",
+    "default_target_layer_ids",
+]

@@ -1,0 +1,273 @@
+"""`DSpineConfig`: the configuration of a DSpine draft model (SPEC sections 1-2.5).
+
+A draft is always made for one target: its width, head layout, RoPE and vocabulary are the
+target's, and `DSpineConfig.from_target` derives them from any Hugging Face causal-LM config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from transformers import PreTrainedConfig
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the draft (SPEC 1), 0-based.
+
+    For N > 1 draft layers: `round(1 + i * (L - 4) / (N - 1))`, i = 0..N-1 (layers 1, 9, 17, 25,
+    33 for L = 36, N = 5); for N = 1 the middle layer.
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _rope_parameters_of(config: PreTrainedConfig) -> dict[str, Any]:
+    """RoPE settings of a target config, whichever transformers convention it uses."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    scaling["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    return scaling
+
+
+class DSpineConfig(PreTrainedConfig):
+    r"""Configuration of a DSpine draft (a DFlash block drafter with adjacent injection).
+
+    Architecture fields mirror the target (`hidden_size`, heads, `head_dim`, `intermediate_size`,
+    `rope_parameters`, `vocab_size`); `from_target` fills them in.
+
+    Draft fields:
+        num_layers: number of draft decoder layers N.
+        target_layer_ids: 0-based target layers whose *outputs* form the context features.
+        target_num_layers: depth L of the target, kept to validate `target_layer_ids`.
+        block_size: block length B (slot 0 is the anchor, slots 1..B-1 are drafted).
+        mask_token_id: an unused vocabulary id that fills slots 1..B-1 of the block input.
+        block_attention: "causal" (DSpine) or "bidirectional" (DFlash) attention inside a block.
+        injection: gated adjacent injection (SPEC 2.2); False is plain DFlash.
+        transfer_dim: r, the dimension of the token codes / prediction features.
+        message_size: width of the shared message M (r -> message_size).
+        replacement_layers: the first layers that use true predecessor codes for the blocks
+            chosen by the replacement curriculum.
+        transition_cache: decode with the (B-1) x K x K transition cache (SPEC 2.4); False decodes
+            each slot by its own argmax.
+        candidate_k: K, candidates per slot for refinement and the transition cache.
+    Objective fields (read by `dspine_train.objective`):
+        loss_gamma: decay of the per-slot weight `exp(-(k-1)/gamma)`.
+        ce_weight: c, share of label CE in the backbone and refinement terms (rest is L1 distill).
+        distill: False trains on label CE only.
+        refine_weight: weight of the refinement term (0 disables it).
+        alignment_weight: beta of the layer-wise cosine alignment (0 disables it).
+        alignment_warmup_steps: steps over which beta rises linearly to `alignment_weight`.
+        token_ce_intermediate: ablation switch, full-vocabulary CE after every layer.
+        distill_mass_threshold: refinement L1 only where the target puts more than this mass
+            on the candidates.
+    Target identity (for validation and model cards):
+        target_name_or_path, target_model_type, target_vocab_size (tokenizer length).
+    """
+
+    model_type: ClassVar[str] = "dspine"
+
+    # Architecture mirrored from the target.
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+
+    # Draft structure.
+    num_layers: int = 5
+    target_layer_ids: list[int] | None = None
+    target_num_layers: int = 36
+    block_size: int = 16
+    mask_token_id: int | None = None
+    block_attention: Literal["causal", "bidirectional"] = "causal"
+
+    # DSpine parts (SPEC 2.1-2.4).
+    injection: bool = True
+    transfer_dim: int = 1024
+    message_size: int = 512
+    replacement_layers: int = 3
+    transition_cache: bool = True
+    candidate_k: int = 16
+
+    # Objective (SPEC 2.3).
+    loss_gamma: float = 7.0
+    ce_weight: float = 0.1
+    distill: bool = True
+    refine_weight: float = 1.0
+    alignment_weight: float = 0.5
+    alignment_warmup_steps: int = 150
+    token_ce_intermediate: bool = False
+    distill_mass_threshold: float = 1e-4
+
+    # Target identity.
+    target_name_or_path: str | None = None
+    target_model_type: str | None = None
+    target_vocab_size: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        if self.target_layer_ids is None:
+            self.target_layer_ids = default_target_layer_ids(self.target_num_layers, self.num_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        super().__post_init__(**kwargs)
+        self.check_consistency()
+
+    # ------------------------------------------------------------------ validation
+    def check_consistency(self) -> None:
+        """Raise `ValueError` naming the field when the config contradicts itself."""
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + one drafted slot), got {self.block_size}")
+        if self.block_attention not in ("causal", "bidirectional"):
+            raise ValueError(
+                f"block_attention must be 'causal' or 'bidirectional', got {self.block_attention!r}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        for layer in self.target_layer_ids:
+            if not 0 <= layer < self.target_num_layers:
+                raise ValueError(
+                    f"target_layer_ids contains {layer}, outside the target's layers "
+                    f"0..{self.target_num_layers - 1} (target_num_layers={self.target_num_layers})"
+                )
+        if not 1 <= self.candidate_k <= self.vocab_size:
+            raise ValueError(
+                f"candidate_k must be in 1..vocab_size ({self.vocab_size}), got {self.candidate_k}"
+            )
+        if not 1 <= self.transfer_dim <= min(self.hidden_size, self.vocab_size - 1):
+            raise ValueError(
+                f"transfer_dim must be in 1..min(hidden_size, vocab_size - 1) = "
+                f"{min(self.hidden_size, self.vocab_size - 1)}, got {self.transfer_dim}"
+            )
+        if self.message_size < 1:
+            raise ValueError(f"message_size must be >= 1, got {self.message_size}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary 0..{self.vocab_size - 1}"
+            )
+        if self.mask_token_id is not None and self.target_vocab_size is not None:
+            if self.mask_token_id < self.target_vocab_size:
+                raise ValueError(
+                    f"mask_token_id {self.mask_token_id} is a used token id (the tokenizer uses "
+                    f"0..{self.target_vocab_size - 1}); pick an id >= target_vocab_size"
+                )
+        if self.loss_gamma <= 0:
+            raise ValueError(f"loss_gamma must be > 0, got {self.loss_gamma}")
+        if not 0.0 <= self.ce_weight <= 1.0:
+            raise ValueError(f"ce_weight must be in [0, 1], got {self.ce_weight}")
+
+    def validate_for_target(self, target_config: PreTrainedConfig, tokenizer: Any = None) -> None:
+        """Check that this draft fits `target_config` (and its tokenizer); `ValueError` names the field."""
+        target_config = getattr(target_config, "text_config", None) or target_config
+        checks = {
+            "hidden_size": target_config.hidden_size,
+            "vocab_size": target_config.vocab_size,
+        }
+        for field, expected in checks.items():
+            if getattr(self, field) != expected:
+                raise ValueError(
+                    f"{field} of the draft ({getattr(self, field)}) differs from the target's ({expected})"
+                )
+        depth = target_config.num_hidden_layers
+        bad = [i for i in self.target_layer_ids if not 0 <= i < depth]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} are beyond the target's {depth} layers"
+            )
+        if tokenizer is not None:
+            used = len(tokenizer)
+            if self.target_vocab_size is not None and used != self.target_vocab_size:
+                raise ValueError(
+                    f"target_vocab_size of the draft ({self.target_vocab_size}) differs from the "
+                    f"tokenizer's length ({used}): the draft was made for another tokenizer"
+                )
+            if self.mask_token_id is not None and self.mask_token_id < used:
+                raise ValueError(
+                    f"mask_token_id {self.mask_token_id} is a used token of the tokenizer (len {used})"
+                )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(
+        cls,
+        target_config: PreTrainedConfig,
+        tokenizer: Any = None,
+        *,
+        used_vocab_size: int | None = None,
+        **overrides: Any,
+    ) -> DSpineConfig:
+        """Derive a draft config from a target's HF config.
+
+        Hidden size, heads, head dim, MLP width, RoPE, vocabulary and norm epsilon are copied;
+        `target_layer_ids` follow SPEC 1 for `num_layers` draft layers; `mask_token_id` is the
+        first id beyond the tokenizer's used ids (`len(tokenizer)` or `used_vocab_size`) unless
+        given in `overrides`. Any other field can be overridden.
+        """
+        target_config = getattr(target_config, "text_config", None) or target_config
+        num_heads = target_config.num_attention_heads
+        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // num_heads
+        if tokenizer is not None:
+            used_vocab_size = len(tokenizer)
+        fields: dict[str, Any] = {
+            "vocab_size": target_config.vocab_size,
+            "hidden_size": target_config.hidden_size,
+            "intermediate_size": target_config.intermediate_size,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or num_heads,
+            "head_dim": head_dim,
+            "hidden_act": getattr(target_config, "hidden_act", "silu"),
+            "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": getattr(target_config, "max_position_embeddings", 32768),
+            "rope_parameters": _rope_parameters_of(target_config),
+            "target_num_layers": target_config.num_hidden_layers,
+            "target_model_type": getattr(target_config, "model_type", None),
+            "target_name_or_path": getattr(target_config, "_name_or_path", None) or None,
+            "target_vocab_size": used_vocab_size,
+        }
+        fields.update(overrides)
+        num_layers = fields.setdefault("num_layers", cls.num_layers)
+        if fields.get("target_layer_ids") is None:
+            fields["target_layer_ids"] = default_target_layer_ids(fields["target_num_layers"], num_layers)
+        if fields.get("mask_token_id") is None:
+            if used_vocab_size is None:
+                raise ValueError(
+                    "mask_token_id: pass the target tokenizer (or used_vocab_size) so the first "
+                    "unused id can be chosen, or give mask_token_id explicitly"
+                )
+            if used_vocab_size >= fields["vocab_size"]:
+                raise ValueError(
+                    f"mask_token_id: the tokenizer uses all {fields['vocab_size']} ids; give an "
+                    "explicit unused mask_token_id"
+                )
+            fields["mask_token_id"] = used_vocab_size
+        fields.setdefault("transfer_dim", min(cls.transfer_dim, fields["hidden_size"]))
+        fields.setdefault("message_size", min(cls.message_size, fields["hidden_size"]))
+        fields.setdefault("candidate_k", min(cls.candidate_k, fields["vocab_size"]))
+        config = cls(**fields)
+        config.validate_for_target(target_config, tokenizer)
+        return config
+
+    @property
+    def num_context_layers(self) -> int:
+        """n, the number of target layers concatenated into each context feature."""
+        return len(self.target_layer_ids)

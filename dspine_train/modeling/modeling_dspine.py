@@ -1,0 +1,424 @@
+"""`DSpineDraftModel`: the DFlash block drafter with gated adjacent injection (SPEC 1-2.4).
+
+Parameters (HF-style names): `fc` and `hidden_norm` fuse the target's context features,
+`layers.*` are Qwen3-style decoder layers, `norm` is the final norm, `injection.*` holds the
+readouts, message, gates and writes. The token table codes are a persistent, non-trainable
+buffer. The target's frozen `embed_tokens` / `lm_head` weights are bound with `bind_target` and
+are never parameters of the draft nor part of its checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+
+from .attention_masks import dense_training_mask, flex_training_mask, inference_block_mask
+from .configuration_dspine import DSpineConfig
+from .context_cache import DraftContextCache
+from .injection import AdjacentInjection, predecessor_features
+from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding
+from .transition_cache import (
+    WalkResult,
+    per_slot_decode,
+    top_candidates,
+    transition_table,
+    walk_table,
+)
+
+
+@dataclass
+class DSpineTrainOutput:
+    """What the objective of SPEC 2.3 needs from one training forward (no vocabulary logits).
+
+    hidden: (B, A, Bk, H) last layer output after its injection, before the final norm.
+    pre_injection: (B, A, Bk, H) last layer output before its injection.
+    recv_features: (B, A, Bk-1, r) last layer pre-injection features of slots 1..Bk-1.
+    layer_features: N tensors (B, A, Bk-1, r), each layer's post-injection features.
+    layer_hidden: N tensors (B, A, Bk, H) per-layer outputs after injection, only when asked
+        (the `token_ce_intermediate` ablation needs them).
+    labels: (B, A, Bk-1) token at anchor + k, -100 past the sequence end.
+    anchor_ids: (B, A) the anchor token of every block.
+    """
+
+    hidden: torch.Tensor
+    pre_injection: torch.Tensor
+    recv_features: torch.Tensor
+    layer_features: list[torch.Tensor]
+    labels: torch.Tensor
+    anchor_ids: torch.Tensor
+    layer_hidden: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class DraftProposal:
+    """One drafted block per sequence.
+
+    tokens: (B, Bk-1) draft tokens for positions anchor+1 .. anchor+Bk-1.
+    q: (B, Bk-1, V) float32 distribution each token was sampled from; None for greedy.
+    """
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+
+
+class DSpinePreTrainedModel(PreTrainedModel):
+    """HF plumbing: config class, weight init (zero writes, identity-like norms)."""
+
+    config_class = DSpineConfig
+    config: DSpineConfig
+    base_model_prefix = "dspine"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DSpineDecoderLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, DSpineRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, DSpineRotaryEmbedding):
+            inv_freq, _ = module.compute_inv_freq(self.config)
+            init.copy_(module.inv_freq, inv_freq)
+        elif isinstance(module, DSpineDraftModel):
+            # Runs after the children (HF initialises bottom-up). The writes and the predecessor
+            # gate start at zero (SPEC 2.2), so an untrained DSpine is exactly its DFlash
+            # backbone; `init_token_table` sets the codes and the readouts.
+            injection = module.injection
+            for write in injection.writes:
+                init.zeros_(write.weight)
+            init.zeros_(injection.gate_pred.weight)
+            init.zeros_(module.token_codes)
+
+
+class DSpineDraftModel(DSpinePreTrainedModel):
+    """The DSpine draft network (see the module docstring and `docs/ARCHITECTURE.md`)."""
+
+    def __init__(self, config: DSpineConfig) -> None:
+        super().__init__(config)
+        n_ctx = config.num_context_layers
+        self.fc = nn.Linear(n_ctx * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = DSpineRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DSpineDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = DSpineRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DSpineRotaryEmbedding(config)
+        self.injection = AdjacentInjection(config)
+        # Token codes T (V, r) of the unified transfer space (SPEC 2.1); saved, never trained.
+        self.register_buffer(
+            "token_codes", torch.zeros(config.vocab_size, config.transfer_dim), persistent=True
+        )
+        self._target_embed: torch.Tensor | None = None
+        self._target_head: torch.Tensor | None = None
+        self.post_init()
+
+    # ------------------------------------------------------------------ target binding
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Bind the target's frozen `embed_tokens.weight` and `lm_head.weight` (V, H).
+
+        They are held as plain attributes: not parameters (never trained, never saved), and the
+        very tensors of the target (no copy) unless the caller passes copies.
+        """
+        cfg = self.config
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != (cfg.vocab_size, cfg.hidden_size):
+                raise ValueError(
+                    f"{name} has shape {tuple(w.shape)}, the draft expects "
+                    f"({cfg.vocab_size}, {cfg.hidden_size}) (vocab_size, hidden_size)"
+                )
+        self._target_embed = embed_weight.detach()
+        self._target_head = lm_head_weight.detach()
+
+    def _require_target(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._target_embed is None or self._target_head is None:
+            raise RuntimeError("call bind_target(embed_weight, lm_head_weight) before running the draft")
+        return self._target_embed, self._target_head
+
+    def init_token_table(self, table) -> None:  # noqa: ANN001 - TokenTable, imported lazily
+        """Load the token codes and start every readout at the table's whitening directions.
+
+        The readout R_l = diag(1/sqrt(eigenvalues)) directions^T, so at initialisation a hidden
+        state's prediction feature is its (whitened) position in the transfer space (SPEC 2.1).
+        """
+        cfg = self.config
+        if tuple(table.codes.shape) != (cfg.vocab_size, cfg.transfer_dim):
+            raise ValueError(
+                f"token table codes have shape {tuple(table.codes.shape)}, the draft expects "
+                f"({cfg.vocab_size}, {cfg.transfer_dim}) (vocab_size, transfer_dim)"
+            )
+        with torch.no_grad():
+            self.token_codes.copy_(table.codes.to(self.token_codes))
+            readout = (table.directions / table.eigenvalues.clamp_min(1e-12).sqrt()).T  # (r, H)
+            for layer_readout in self.injection.readouts:
+                layer_readout.weight.copy_(readout.to(layer_readout.weight))
+
+    # ------------------------------------------------------------------ shared pieces
+    def token_features(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """sqrt(r) * T[token]: a committed token's feature (..., r)."""
+        return self.injection.scale * self.token_codes[token_ids]
+
+    def fuse_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """(B, T, n*H) concatenated target hidden states -> (B, T, H) context features."""
+        expected = self.config.num_context_layers * self.config.hidden_size
+        if context_features.shape[-1] != expected:
+            raise ValueError(
+                f"context_features last dim is {context_features.shape[-1]}, expected "
+                f"{expected} = len(target_layer_ids) * hidden_size"
+            )
+        return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + the target's lm_head: (..., H) -> (..., V)."""
+        _, head = self._require_target()
+        return F.linear(self.norm(hidden), head.to(hidden.dtype))
+
+    def refined_scores(
+        self,
+        pre: torch.Tensor,
+        recv: torch.Tensor,
+        pred_ids: torch.Tensor,
+        cand_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Refined scores S[c, c'] of SPEC 2.4 ("last-write refinement").
+
+        pre (..., H) last layer pre-injection state, recv (..., r) its feature, pred_ids (..., P)
+        predecessor tokens c, cand_ids (..., K) candidates c' -> (..., P, K). Only the K head rows
+        of the candidates are gathered, never the vocabulary.
+        """
+        _, head = self._require_target()
+        f_pred = self.token_features(pred_ids).to(pre.dtype)  # (..., P, r)
+        if self.config.injection:
+            h = self.injection.write(
+                self.config.num_layers - 1, pre[..., None, :], recv[..., None, :], f_pred
+            )  # (..., P, H)
+        else:
+            h = pre[..., None, :].expand(*f_pred.shape[:-1], pre.shape[-1])
+        rows = head[cand_ids].to(pre.dtype)  # (..., K, H)
+        return torch.matmul(self.norm(h), rows.transpose(-1, -2))  # (..., P, K)
+
+    def _inject(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        anchor_codes: torch.Tensor,
+        true_pred_codes: torch.Tensor | None = None,
+        replace_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gated adjacent injection after `layer` on hidden (..., Bk, H).
+
+        Returns the updated hidden and the slots' pre-injection features (..., Bk-1, r).
+        `true_pred_codes` (..., Bk-1, r) replace the predicted predecessor features of the
+        blocks in `replace_mask` (...,) (the replacement curriculum).
+        """
+        slots = hidden[..., 1:, :]
+        f_recv = self.injection.features(layer, slots)
+        f_pred = predecessor_features(f_recv, anchor_codes)
+        if replace_mask is not None and true_pred_codes is not None:
+            f_pred = torch.where(replace_mask[..., None, None], true_pred_codes, f_pred)
+        updated = self.injection.write(layer, slots, f_recv, f_pred)
+        return torch.cat((hidden[..., :1, :], updated), dim=-2), f_recv
+
+    # ------------------------------------------------------------------ training forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        context_features: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_mask: torch.Tensor | None = None,
+        replace_mask: torch.Tensor | None = None,
+        use_flex: bool | None = None,
+        return_layer_hidden: bool | None = None,
+    ) -> DSpineTrainOutput:
+        """All anchors of a batch in one pass (SPEC 1 "Training", 2.2).
+
+        input_ids (B, S); context_features (B, S, n*H); anchors (B, A) with padding anchors
+        marked False in anchor_mask (B, A); replace_mask (B, A) selects the blocks whose first
+        `replacement_layers` layers hear the true predecessor's code. `use_flex` defaults to
+        flex attention on CUDA and a dense SDPA mask elsewhere.
+        """
+        cfg = self.config
+        embed, _ = self._require_target()
+        bsz, seq_len = input_ids.shape
+        num_blocks, bk = anchors.shape[1], cfg.block_size
+        if anchor_mask is not None:
+            anchors = torch.where(anchor_mask, anchors, torch.zeros_like(anchors))
+        offsets = torch.arange(bk, device=input_ids.device)
+        positions = anchors[:, :, None] + offsets  # (B, A, Bk)
+        in_seq = positions < seq_len
+        gathered = torch.gather(input_ids, 1, positions.clamp_max(seq_len - 1).view(bsz, -1))
+        gathered = gathered.view(bsz, num_blocks, bk)  # (B, A, Bk) tokens at a+k
+        labels = torch.where(in_seq, gathered, torch.full_like(gathered, -100))[..., 1:]
+        anchor_ids = gathered[..., 0]  # (B, A)
+
+        block_ids = torch.full_like(gathered, cfg.mask_token_id)
+        block_ids[..., 0] = anchor_ids
+        dtype = self.fc.weight.dtype
+        hidden = F.embedding(block_ids, embed).to(dtype).view(bsz, num_blocks * bk, -1)
+
+        ctx = self.fuse_context(context_features)  # (B, S, H)
+        ctx_pos = torch.arange(seq_len, device=input_ids.device).expand(bsz, -1)
+        ctx_cos, ctx_sin = self.rotary_emb(ctx_pos, dtype)
+        blk_cos, blk_sin = self.rotary_emb(positions.view(bsz, -1), dtype)
+        if use_flex is None:
+            use_flex = input_ids.is_cuda
+        causal = cfg.block_attention == "causal"
+        build_mask = flex_training_mask if use_flex else dense_training_mask
+        mask = build_mask(anchors, seq_len, bk, causal)
+
+        anchor_codes = self.token_features(anchor_ids).to(dtype)  # (B, A, r)
+        true_pred_codes = None
+        if replace_mask is not None and cfg.injection:
+            # true predecessor of slot t is the token at a + t - 1 (t = 1..Bk-1)
+            true_pred_codes = self.token_features(gathered[..., :-1]).to(dtype)  # (B, A, Bk-1, r)
+        if return_layer_hidden is None:
+            return_layer_hidden = cfg.token_ce_intermediate
+
+        layer_features: list[torch.Tensor] = []
+        layer_hidden: list[torch.Tensor] = []
+        pre_injection = recv = None
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+            q, k, v = layer.block_qkv(hidden, blk_cos, blk_sin)
+            k = torch.cat((ctx_k, k), dim=2)  # (B, kv, S + A*Bk, D)
+            v = torch.cat((ctx_v, v), dim=2)
+            hidden = layer.finish(hidden, q, k, v, mask)
+            blocks = hidden.view(bsz, num_blocks, bk, -1)  # (B, A, Bk, H)
+            if i == cfg.num_layers - 1:
+                pre_injection = blocks
+            if cfg.injection:
+                replace = replace_mask if i < cfg.replacement_layers else None
+                blocks, f_recv = self._inject(i, blocks, anchor_codes, true_pred_codes, replace)
+                if i == cfg.num_layers - 1:
+                    recv = f_recv
+            elif i == cfg.num_layers - 1:
+                recv = self.injection.features(i, blocks[..., 1:, :])
+            layer_features.append(self.injection.features(i, blocks[..., 1:, :]))
+            if return_layer_hidden:
+                layer_hidden.append(blocks)
+            hidden = blocks.reshape(bsz, num_blocks * bk, -1)
+
+        return DSpineTrainOutput(
+            hidden=hidden.view(bsz, num_blocks, bk, -1),
+            pre_injection=pre_injection,
+            recv_features=recv,
+            layer_features=layer_features,
+            labels=labels,
+            anchor_ids=anchor_ids,
+            layer_hidden=layer_hidden,
+        )
+
+    # ------------------------------------------------------------------ decoding
+    def walk(
+        self,
+        pre_injection: torch.Tensor,
+        recv_features: torch.Tensor,
+        slot_logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> WalkResult:
+        """Decode drafted tokens from one forward's outputs (SPEC 2.4).
+
+        pre_injection (..., Bk, H), recv_features (..., Bk-1, r), slot_logits (..., Bk-1, V),
+        anchor_ids (...,). With `transition_cache` the K x K table walk, else per-slot decode.
+        """
+        if not self.config.transition_cache:
+            return per_slot_decode(slot_logits, temperature, generator)
+        cand = top_candidates(slot_logits, self.config.candidate_k)
+        table = transition_table(
+            self.refined_scores, pre_injection[..., 1:, :], recv_features, anchor_ids, cand
+        )
+        return walk_table(table, cand, self.config.vocab_size, temperature, generator)
+
+    def new_context_cache(
+        self,
+        batch_size: int,
+        max_length: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DraftContextCache:
+        """Allocate the static context K/V cache for `max_length` committed positions."""
+        cfg = self.config
+        return DraftContextCache.allocate(
+            num_layers=cfg.num_layers,
+            batch_size=batch_size,
+            max_length=max_length,
+            block_size=cfg.block_size,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            device=device if device is not None else self.fc.weight.device,
+            dtype=dtype or self.fc.weight.dtype,
+        )
+
+    @torch.no_grad()
+    def append_context(
+        self, cache: DraftContextCache, features: torch.Tensor, counts: torch.Tensor
+    ) -> None:
+        """Commit target features (B, T, n*H), the first counts[b] rows of each sequence."""
+        ctx = self.fuse_context(features)  # (B, T, H)
+        t = ctx.shape[1]
+        pos = cache.lengths[:, None] + torch.arange(t, device=ctx.device)  # (B, T)
+        cos, sin = self.rotary_emb(pos, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            cache.write(i, cache.lengths, k, v)
+        cache.advance(counts.to(cache.lengths.device))
+
+    def crop_context(self, cache: DraftContextCache, lengths: torch.Tensor) -> None:
+        """Drop committed context beyond `lengths` (B,)."""
+        cache.crop(lengths)
+
+    @torch.no_grad()
+    def draft_forward(
+        self, cache: DraftContextCache, anchor_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One block per sequence over the cached context.
+
+        Returns slot logits (B, Bk-1, V), last-layer pre-injection states (B, Bk, H) and
+        features (B, Bk-1, r). The block's K/V are written after the committed context.
+        """
+        cfg = self.config
+        embed, _ = self._require_target()
+        bsz, bk = anchor_ids.shape[0], cfg.block_size
+        dtype = self.fc.weight.dtype
+        block_ids = torch.full((bsz, bk), cfg.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        block_ids[:, 0] = anchor_ids
+        hidden = F.embedding(block_ids, embed).to(dtype)  # (B, Bk, H)
+        pos = cache.lengths[:, None] + torch.arange(bk, device=anchor_ids.device)  # (B, Bk)
+        cos, sin = self.rotary_emb(pos, dtype)
+        mask = inference_block_mask(cache.lengths, cache.capacity, bk, cfg.block_attention == "causal")
+        anchor_codes = self.token_features(anchor_ids).to(dtype)  # (B, r)
+        pre = recv = None
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.block_qkv(hidden, cos, sin)
+            cache.write(i, cache.lengths, k, v)
+            hidden = layer.finish(hidden, q, cache.keys[i], cache.values[i], mask)
+            if i == cfg.num_layers - 1:
+                pre = hidden
+            if cfg.injection:
+                hidden, f_recv = self._inject(i, hidden, anchor_codes)
+                if i == cfg.num_layers - 1:
+                    recv = f_recv
+        if recv is None:
+            recv = self.injection.features(cfg.num_layers - 1, pre[:, 1:])
+        return self.logits(hidden[:, 1:]), pre, recv
+
+    @torch.no_grad()
+    def propose(
+        self,
+        cache: DraftContextCache,
+        anchor_ids: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> DraftProposal:
+        """Draft one block per sequence after its committed context; anchor_ids (B,)."""
+        slot_logits, pre, recv = self.draft_forward(cache, anchor_ids)
+        result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator)
+        return DraftProposal(tokens=result.tokens, q=result.q)

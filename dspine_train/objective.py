@@ -1,0 +1,246 @@
+"""The DSpine training objective (SPEC 2.3), computed in chunks over supervised slots.
+
+Per supervised slot k of a block (weight `w_k = exp(-(k-1)/gamma)`, supervision cut at the first
+unsupervised slot):
+
+* backbone:   c * CE(label) + (1 - c) * L1(p_draft, p_target)        (label CE only without distill)
+* refinement: over the backbone's top-K candidates (detached), the last-write refined scores given
+  the *true* predecessor: c * CE(label | label in C) + (1 - c) * L1 against p_target restricted to
+  C and renormalised (only where p_target puts > 1e-4 of its mass on C)
+* alignment:  mean over layers of 1 - cos(f^l_t, T[label]), scaled by beta * CE(detached), beta
+  rising linearly to `alignment_weight` over `alignment_warmup_steps`
+* ablation:   full-vocabulary CE after every intermediate layer when `token_ce_intermediate`
+
+Full-vocabulary logits exist for one chunk of slots at a time and are recomputed in backward
+(activation checkpointing), so B x S x V is never materialised (SPEC 4).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .modeling import DSpineDraftModel, DSpineTrainOutput
+
+IGNORE = -100
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchor positions per sequence (SPEC 1 "Training").
+
+    An anchor a is valid where `loss_mask[a]` and `loss_mask[a+1]` are both 1. Up to
+    `num_anchors` distinct valid anchors are drawn per sequence, sorted; the result has a fixed
+    width `min(num_anchors, S - 1)`, padded anchors marked False in the returned mask.
+    loss_mask (B, S) -> anchors (B, A) long, anchor_mask (B, A) bool.
+    """
+    del block_size  # blocks may run past the sequence end; their slots there are unsupervised
+    bsz, seq_len = loss_mask.shape
+    width = max(1, min(num_anchors, seq_len - 1))
+    lm = loss_mask.bool()
+    valid = torch.zeros_like(lm)
+    valid[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    scores = torch.rand(lm.shape, generator=generator, device="cpu").to(lm.device)
+    scores = torch.where(valid, scores, torch.full_like(scores, -1.0))
+    top = torch.topk(scores, width, dim=1)
+    anchor_mask = top.values >= 0
+    anchors = torch.where(anchor_mask, top.indices, torch.full_like(top.indices, seq_len))
+    anchors, order = torch.sort(anchors, dim=1)  # padding (seq_len) sorts last
+    anchor_mask = torch.gather(anchor_mask, 1, order)
+    anchors = torch.where(anchor_mask, anchors, torch.zeros_like(anchors))
+    return anchors, anchor_mask
+
+
+def replacement_probability(step: int, total_steps: int, start: float = 0.5) -> float:
+    """Share of blocks whose first layers hear the true predecessor (SPEC 2.2 curriculum).
+
+    `start` for the first sixth of training, then linearly down to 0 at one third.
+    """
+    if total_steps <= 0:
+        return 0.0
+    frac = step / total_steps
+    if frac < 1 / 6:
+        return start
+    if frac >= 1 / 3:
+        return 0.0
+    return start * (1 / 3 - frac) / (1 / 6)
+
+
+def slot_weights(
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_mask: torch.Tensor,
+    block_size: int,
+    gamma: float,
+) -> torch.Tensor:
+    """Per-slot loss weights (B, A, Bk-1): exp(-(k-1)/gamma) while loss_mask[a+1..a+k] are all 1."""
+    bsz, seq_len = loss_mask.shape
+    k = torch.arange(1, block_size, device=anchors.device)
+    pos = anchors[..., None] + k  # (B, A, Bk-1)
+    in_seq = pos < seq_len
+    lm = torch.gather(loss_mask.float(), 1, pos.clamp_max(seq_len - 1).view(bsz, -1))
+    lm = lm.view_as(pos) * in_seq * anchor_mask[..., None]
+    supervised = torch.cumprod(lm, dim=-1)  # cut at the first unsupervised slot
+    decay = torch.exp(-(k.float() - 1) / gamma)
+    return supervised * decay
+
+
+def alignment_scale(step: int, weight: float, warmup_steps: int) -> float:
+    """beta at `step`: linear warm-up from 0 to `weight` over `warmup_steps`."""
+    if warmup_steps <= 0:
+        return weight
+    return weight * min(1.0, step / warmup_steps)
+
+
+def _vocab_terms(
+    draft: DSpineDraftModel,
+    hidden: torch.Tensor,
+    target_hidden: torch.Tensor | None,
+    labels: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, ...]:
+    """Per-row CE, L1, correctness, top-K candidates and p_target on them, for one chunk.
+
+    hidden (n, H) draft states, target_hidden (n, H) target final states (or None without
+    distillation), labels (n,). Full-vocabulary logits live only inside this function.
+    """
+    logits = draft.logits(hidden).float()  # (n, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
+    detached = logits.detach()
+    correct = (detached.argmax(-1) == labels).float()
+    cand = torch.topk(detached, k, dim=-1).indices  # (n, K)
+    if target_hidden is None:
+        zeros = torch.zeros_like(ce)
+        return ce, zeros, correct, cand, torch.zeros(cand.shape, device=cand.device)
+    with torch.no_grad():
+        p_target = torch.softmax(draft.logits(target_hidden).float(), dim=-1)
+    l1 = (logp.exp() - p_target).abs().sum(-1)
+    return ce, l1, correct, cand, p_target.gather(-1, cand)
+
+
+def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (values * weights).sum() / weights.sum().clamp_min(1e-8)
+
+
+def dspine_loss(
+    draft: DSpineDraftModel,
+    out: DSpineTrainOutput,
+    target_final_hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_mask: torch.Tensor,
+    step: int,
+    total_steps: int | None = None,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The SPEC 2.3 objective for one training forward; returns (loss, detached metrics).
+
+    target_final_hidden (B, S, H): the target's final normed hidden states; the target's
+    distribution for slot k of anchor a is softmax(lm_head(target_final_hidden[a + k - 1])).
+    """
+    del total_steps  # the alignment warm-up is in steps; kept for a uniform call signature
+    cfg = draft.config
+    bsz, seq_len = loss_mask.shape
+    bk = cfg.block_size
+    weights = slot_weights(loss_mask, anchors, anchor_mask, bk, cfg.loss_gamma)  # (B, A, Bk-1)
+    # Deliberate host sync: select the supervised slots once, so padding costs no vocab work.
+    rows = weights.reshape(-1) > 0
+    w = weights.reshape(-1)[rows]  # (n,)
+    labels = out.labels.reshape(-1)[rows]
+    hidden = out.hidden[..., 1:, :].reshape(-1, cfg.hidden_size)[rows]  # (n, H)
+    pre = out.pre_injection[..., 1:, :].reshape(-1, cfg.hidden_size)[rows]
+    recv = out.recv_features.reshape(-1, cfg.transfer_dim)[rows]
+    # target state that predicts token a+k is at position a+k-1 (clamped rows are unsupervised)
+    k_idx = torch.arange(bk - 1, device=anchors.device)
+    pred_pos = (anchors[..., None] + k_idx).clamp_max(seq_len - 1)  # (B, A, Bk-1)
+    batch_idx = torch.arange(bsz, device=anchors.device)[:, None, None].expand_as(pred_pos)
+    flat_pos = pred_pos.reshape(-1)[rows]
+    flat_b = batch_idx.reshape(-1)[rows]
+    # the true predecessor of slot k is the token at a+k-1: the anchor for k=1, else label k-1
+    true_pred = torch.cat((out.anchor_ids[..., None], out.labels[..., :-1]), dim=-1)
+    true_pred = true_pred.clamp_min(0).reshape(-1)[rows]  # -100 only on unsupervised slots
+
+    distill = cfg.distill
+    c = cfg.ce_weight if distill else 1.0
+    ces, l1s, corrects, cands, p_cands = [], [], [], [], []
+    for start in range(0, w.numel(), chunk_size):
+        sl = slice(start, start + chunk_size)
+        t_hidden = target_final_hidden[flat_b[sl], flat_pos[sl]] if distill else None
+        ce, l1, correct, cand, p_cand = checkpoint(
+            _vocab_terms, draft, hidden[sl], t_hidden, labels[sl], cfg.candidate_k,
+            use_reentrant=False,
+        )
+        ces.append(ce), l1s.append(l1), corrects.append(correct)
+        cands.append(cand), p_cands.append(p_cand)
+    ce, l1 = torch.cat(ces), torch.cat(l1s)
+    correct, cand, p_cand = torch.cat(corrects), torch.cat(cands), torch.cat(p_cands)
+
+    backbone_ce = _weighted_mean(ce, w)
+    backbone_l1 = _weighted_mean(l1, w)
+    loss = c * backbone_ce + (1 - c) * backbone_l1 if distill else backbone_ce
+    metrics: dict[str, torch.Tensor] = {
+        "backbone_ce": backbone_ce.detach(),
+        "backbone_l1": backbone_l1.detach(),
+        "top1_acc": _weighted_mean(correct, (w > 0).float()),
+    }
+
+    # --- refinement over the candidates, teacher-forced with the true predecessor
+    in_cand = cand == labels[:, None]  # (n, K)
+    covered = in_cand.any(-1).float()
+    metrics["candidate_coverage"] = _weighted_mean(covered, (w > 0).float())
+    if cfg.refine_weight > 0:
+        scores = draft.refined_scores(pre, recv, true_pred[:, None], cand)[:, 0].float()  # (n, K)
+        logq = torch.log_softmax(scores, dim=-1)
+        label_idx = in_cand.float().argmax(-1)
+        refine_ce = _weighted_mean(-logq.gather(-1, label_idx[:, None]).squeeze(-1), w * covered)
+        refine = refine_ce
+        metrics["refine_ce"] = refine_ce.detach()
+        if distill:
+            mass = p_cand.sum(-1)
+            ok = (mass > cfg.distill_mass_threshold).float()
+            p_restricted = p_cand / mass.clamp_min(1e-12)[:, None]
+            refine_l1 = _weighted_mean((logq.exp() - p_restricted).abs().sum(-1), w * ok)
+            refine = c * refine_ce + (1 - c) * refine_l1
+            metrics["refine_l1"] = refine_l1.detach()
+        loss = loss + cfg.refine_weight * refine
+
+    # --- layer-wise cosine alignment, at a fixed ratio to the (detached) backbone CE
+    if cfg.alignment_weight > 0:
+        target_codes = draft.token_codes[labels]  # (n, r)
+        cos_terms = []
+        for feats in out.layer_features:
+            f = feats.reshape(-1, cfg.transfer_dim)[rows]
+            cos_terms.append(1 - F.cosine_similarity(f.float(), target_codes.float(), dim=-1))
+        alignment = _weighted_mean(torch.stack(cos_terms).mean(0), w)
+        beta = alignment_scale(step, cfg.alignment_weight, cfg.alignment_warmup_steps)
+        loss = loss + beta * backbone_ce.detach() * alignment
+        metrics["alignment"] = alignment.detach()
+        metrics["alignment_beta"] = torch.tensor(beta)
+
+    # --- ablation: full-vocabulary CE on intermediate layers (hurts acceptance, SPEC 2.3)
+    if cfg.token_ce_intermediate and out.layer_hidden:
+        inter = []
+        for layer_out in out.layer_hidden[:-1]:
+            h = layer_out[..., 1:, :].reshape(-1, cfg.hidden_size)[rows]
+            layer_ce = []
+            for start in range(0, w.numel(), chunk_size):
+                sl = slice(start, start + chunk_size)
+                ce_l, *_ = checkpoint(
+                    _vocab_terms, draft, h[sl], None, labels[sl], 1, use_reentrant=False
+                )
+                layer_ce.append(ce_l)
+            inter.append(_weighted_mean(torch.cat(layer_ce), w))
+        if inter:
+            token_ce = torch.stack(inter).mean()
+            loss = loss + token_ce
+            metrics["token_ce_intermediate"] = token_ce.detach()
+
+    metrics["loss"] = loss.detach()
+    metrics["supervised_slots"] = torch.tensor(float(w.numel()))
+    return loss, metrics
