@@ -1,11 +1,25 @@
-"""dspine-train: train and serve DSpine parallel draft models for lossless speculative decoding."""
+"""dspine-train: train and serve DSpine parallel draft models for lossless speculative decoding.
 
-from transformers import AutoConfig, AutoModel
+`DSpineConfig` / `DSpineDraftModel` are imported lazily: `import dspine_train.engine` (and the
+CLIs) must not pull in transformers' model machinery, which imports accelerate. Importing
+`dspine_train.modeling` (which any access to these names does) registers the `dspine` model
+type with `AutoConfig` / `AutoModel`.
+"""
 
-from .modeling import DSpineConfig, DSpineDraftModel
+from __future__ import annotations
 
-AutoConfig.register("dspine", DSpineConfig, exist_ok=True)
-AutoModel.register(DSpineConfig, DSpineDraftModel, exist_ok=True)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .modeling import DSpineConfig, DSpineDraftModel
 
 __all__ = ["DSpineConfig", "DSpineDraftModel"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import modeling
+
+        return getattr(modeling, name)
+    raise AttributeError(f"module 'dspine_train' has no attribute {name!r}")

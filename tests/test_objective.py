@@ -14,7 +14,13 @@ from dspine_train.objective import (
     sample_anchors,
     slot_weights,
 )
-from tests._model_helpers import USED_VOCAB, context_features, randomise_injection, tiny_draft, tiny_target
+from tests._model_helpers import (
+    USED_VOCAB,
+    context_features,
+    randomise_injection,
+    tiny_draft,
+    tiny_target,
+)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from dspine_train.modeling.transition_cache import naive_serial_walk, top_candidates
-from tests._model_helpers import USED_VOCAB, context_features, randomise_injection, tiny_draft, tiny_target
+from tests._model_helpers import (
+    USED_VOCAB,
+    context_features,
+    randomise_injection,
+    tiny_draft,
+    tiny_target,
+)
 
 
 @pytest.fixture(scope="module")

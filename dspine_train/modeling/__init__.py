@@ -14,3 +14,8 @@ __all__ = [
     "WalkResult",
     "default_target_layer_ids",
 ]
+
+from transformers import AutoConfig, AutoModel  # noqa: E402 - registration after the classes
+
+AutoConfig.register("dspine", DSpineConfig, exist_ok=True)
+AutoModel.register(DSpineConfig, DSpineDraftModel, exist_ok=True)

@@ -73,8 +73,8 @@ class DraftContextCache:
         torch._assert_async(
             (new <= self.max_length).all(), "DraftContextCache overflow: raise max_length"
         )
-        self.lengths = new
+        self.lengths.copy_(new)  # in place: captured CUDA graphs keep reading this tensor
 
     def crop(self, lengths: torch.Tensor) -> None:
         """Forget everything past `lengths` (B,): later writes overwrite it."""
-        self.lengths = torch.minimum(self.lengths, lengths.to(self.lengths))
+        self.lengths.copy_(torch.minimum(self.lengths, lengths.to(self.lengths)))

@@ -1,0 +1,178 @@
+"""Readers for the conversation files users bring, all yielding the normalised schema.
+
+Containers (chosen by ``fmt``, or by the path when ``fmt="auto"``):
+
+* ``jsonl``    one JSON object per line (``.jsonl``, ``.jsonl.gz``; a ``.json`` file whose first
+               character is ``{`` is read this way too);
+* ``json``     one JSON array of objects (``.json``), parsed record by record with
+               ``json.JSONDecoder.raw_decode`` so a file truncated at the end (the ShareGPT V3
+               release is) still yields every complete record;
+* ``datasets`` a directory written by ``Dataset.save_to_disk`` (read with ``load_from_disk``),
+               or a ``.parquet`` / ``.arrow`` / ``.csv`` file or a directory of data files
+               (read with ``load_dataset``).
+
+Inside a container each record is ShareGPT-style (``conversations`` of ``from``/``value``) or
+OpenAI-style (``messages`` of ``role``/``content``), detected per record.  Bad rows are yielded
+as :class:`~data_prep.schema.SkippedRow` with a reason, or raise
+:class:`~data_prep.schema.DataError` naming file and line when ``strict``.  Text is decoded
+with ``surrogateescape`` so that undecodable bytes reach the row validator (reason
+``invalid_utf8``) instead of failing the whole file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from data_prep.schema import Conversation, DataError, RowError, RowRef, SkippedRow, normalise_record
+
+
+@dataclass(frozen=True)
+class ReadRow:
+    """A valid row and where it came from."""
+
+    ref: RowRef
+    conversation: Conversation
+
+
+ReadResult = ReadRow | SkippedRow
+RecordMap = Callable[[Any], Any]
+
+FORMATS = ("auto", "jsonl", "json", "datasets")
+_DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+
+
+def detect_format(path: Path) -> str:
+    """The container format ``fmt="auto"`` picks for ``path``."""
+    if path.is_dir() or path.suffix in _DATASETS_BUILDERS:
+        return "datasets"
+    name = path.name.removesuffix(".gz")
+    if name.endswith(".jsonl"):
+        return "jsonl"
+    if name.endswith(".json"):
+        with _open_text(path) as handle:
+            head = handle.read(4096).lstrip()
+        return "json" if head.startswith("[") else "jsonl"
+    raise DataError(f"{path}: cannot tell the format from the name; set format to "
+                    f"one of {', '.join(FORMATS[1:])}")
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
+    return open(path, encoding="utf-8", errors="surrogateescape")
+
+
+def _outcome(record: Any, ref: RowRef, strict: bool, record_map: RecordMap | None) -> ReadResult:
+    try:
+        if record_map is not None:
+            record = record_map(record)
+        return ReadRow(ref, normalise_record(record, ref))
+    except RowError as error:
+        if strict:
+            raise DataError(f"{ref}: {error.reason}: {error.detail}") from None
+        raw_id = record.get("id") if isinstance(record, dict) else None
+        return SkippedRow(ref, error.reason, error.detail,
+                          raw_id if isinstance(raw_id, str) else None)
+
+
+def read_jsonl(path: Path, *, strict: bool = False,
+               record_map: RecordMap | None = None) -> Iterator[ReadResult]:
+    """Rows of a JSON-lines file; blank lines are not rows."""
+    with _open_text(path) as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            ref = RowRef(path.name, line_number)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                if strict:
+                    raise DataError(f"{ref}: malformed_json: {error.msg}") from None
+                yield SkippedRow(ref, "malformed_json", error.msg)
+                continue
+            yield _outcome(record, ref, strict, record_map)
+
+
+def read_json_array(path: Path, *, strict: bool = False,
+                    record_map: RecordMap | None = None) -> Iterator[ReadResult]:
+    """Rows of a JSON array file, one ``raw_decode`` per element.
+
+    Parsing cannot resynchronise inside an array, so the first element that fails to decode
+    ends the file: the unreadable tail is reported as one skipped row (``malformed_json``),
+    which is exactly the truncated last record of the ShareGPT release.
+    """
+    with _open_text(path) as handle:
+        text = handle.read()
+    decoder = json.JSONDecoder()
+    position = len(text) - len(text.lstrip())
+    if not text.startswith("[", position):
+        raise DataError(f"{path.name}:1: expected a JSON array ('[')")
+    position += 1
+    line, line_position = 1, 0
+    while True:
+        # Skip whitespace and the separating comma between elements.
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        if position >= len(text) or text[position] == "]":
+            return
+        line += text.count("\n", line_position, position)
+        line_position = position
+        ref = RowRef(path.name, line)
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError as error:
+            detail = f"cannot parse from here to the end of the file ({error.msg}); truncated file?"
+            if strict:
+                raise DataError(f"{ref}: malformed_json: {detail}") from None
+            yield SkippedRow(ref, "malformed_json", detail)
+            return
+        yield _outcome(record, ref, strict, record_map)
+
+
+def read_datasets(path: Path, *, split: str = "train", strict: bool = False,
+                  record_map: RecordMap | None = None) -> Iterator[ReadResult]:
+    """Rows of a local ``datasets`` dataset; the line of a row is its 1-based index."""
+    import datasets  # deferred: importing datasets costs a second and most inputs are JSONL
+
+    if path.is_dir() and ((path / "dataset_info.json").exists()
+                          or (path / "dataset_dict.json").exists()):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(f"{path}: no split {split!r}; it has {sorted(loaded)}")
+            loaded = loaded[split]
+    elif path.is_dir():
+        loaded = datasets.load_dataset(str(path), split=split)
+    else:
+        builder = _DATASETS_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise DataError(f"{path}: datasets format needs a directory or one of "
+                            f"{', '.join(_DATASETS_BUILDERS)}")
+        loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
+    for index, record in enumerate(loaded, start=1):
+        yield _outcome(record, RowRef(path.name, index), strict, record_map)
+
+
+def read_rows(path: str | Path, *, fmt: str = "auto", split: str = "train", strict: bool = False,
+              record_map: RecordMap | None = None) -> Iterator[ReadResult]:
+    """Yield every row of ``path`` as a :class:`ReadRow` or a :class:`SkippedRow`.
+
+    ``record_map`` transforms each raw record before normalisation (the HumanEval source
+    uses it to turn a coding task into a user prompt).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    if fmt not in FORMATS:
+        raise DataError(f"{path}: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt == "jsonl":
+        return read_jsonl(path, strict=strict, record_map=record_map)
+    if fmt == "json":
+        return read_json_array(path, strict=strict, record_map=record_map)
+    return read_datasets(path, split=split, strict=strict, record_map=record_map)

@@ -1,0 +1,426 @@
+"""The speculative-decoding engine: a target, a DSpine draft, and the loop of SPEC 1 / 2.4.
+
+One round for a batch of sequences, each with its own committed length:
+
+    draft.propose(context cache, anchors)        -> d_1..d_Bk-1 (the first g are verified)
+    target([anchor, d_1..d_g]) in one forward    -> logits of g + 1 positions + context features
+    accept (greedy prefix / rejection sampling)  -> a accepted drafts + 1 bonus token per sequence
+    commit: target cache keeps anchor + d_1..d_a; the draft context gets their target features;
+            the bonus token becomes the next anchor (its features arrive with the next verify).
+
+The acceptance result is read to the host once per round (the only sync of a step): it decides
+stop strings, token budgets and the per-sequence bookkeeping. Plain decoding (`generate_ar`) is
+the same machinery with one token per step, and is the baseline speculative output must equal.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspine_train.engine.acceptance import (
+    Acceptance,
+    clip_at_eos,
+    greedy_accept,
+    rejection_accept,
+)
+from dspine_train.engine.cuda_graphs import StepCache
+from dspine_train.engine.errors import GenerationInputError
+from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
+from dspine_train.engine.sampling import next_tokens, target_probs
+from dspine_train.engine.stats import GenerationStats, StepTimer
+from dspine_train.engine.target_model import TargetModel
+from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
+from dspine_train.engine.weights import load_target
+
+
+@dataclass
+class GenerationResult:
+    """Output of `Engine.generate` / `Engine.generate_ar`, one entry per prompt.
+
+    `token_ids` are the new tokens only (an EOS that ended a sequence is included, as in HF
+    `generate`); `finish_reasons` are "eos", "stop" or "length"; `texts` is None without a
+    tokenizer.
+    """
+
+    token_ids: list[list[int]]
+    texts: list[str] | None
+    finish_reasons: list[str]
+    stats: GenerationStats
+
+
+class Engine:
+    """Target + optional draft with preallocated caches, ready to generate.
+
+    Caches are sized once for `max_batch_size` sequences of up to `max_seq_len` positions
+    (prompt + new tokens + one verified block). Without a draft only `generate_ar` works.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: Any | None = None,
+        tokenizer: Any | None = None,
+        *,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        cuda_graphs: bool = True,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.device = target.device
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len or min(target.config.max_position_embeddings, 4096)
+        self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else [])
+        self._eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
+        self.block_size = 1
+        self.draft_cache: Any | None = None
+        self._draft_caches: dict[int, Any] = {}
+        if draft is not None:
+            check_draft_fits_target(draft.config, target, tokenizer)
+            self.block_size = int(draft.config.block_size)
+            draft.to(device=self.device, dtype=target.dtype).eval()
+            draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
+            target.set_feature_layers(draft.config.target_layer_ids)
+        target.setup(max_batch_size, self.max_seq_len)
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self._target_step = StepCache(self._target_forward, use_graphs, "verify")
+        self._draft_step = StepCache(self._draft_greedy, use_graphs, "draft")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | Path,
+        draft: str | Path | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        tokenizer: str | Path | Any | None = None,
+        **kwargs: Any,
+    ) -> Engine:
+        """Load a target checkpoint directory and (optionally) an exported draft directory.
+
+        The tokenizer defaults to the one saved with the target (none if it has none).
+        Compatibility and file integrity are checked before anything runs.
+        """
+        target_dir = Path(target)
+        if draft is not None:
+            check_draft_files(draft)
+        model = load_target(target_dir, device=device, dtype=dtype)
+        tok = _load_tokenizer(
+            tokenizer if tokenizer is not None else target_dir, required=(tokenizer is not None)
+        )
+        draft_model = None
+        if draft is not None:
+            # Imported here: the modeling package pulls in transformers' model machinery, which
+            # plain decoding does not need.
+            from dspine_train.modeling import DSpineDraftModel
+
+            draft_model = DSpineDraftModel.from_pretrained(str(draft))
+        kwargs.setdefault("eos_token_ids", _eos_ids(target_dir, model, tok))
+        return cls(model, draft_model, tok, **kwargs)
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self,
+        prompts: Prompts,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        chat: bool = True,
+        *,
+        stop: Sequence[str] = (),
+        num_draft_tokens: int | None = None,
+        seed: int = 0,
+    ) -> GenerationResult:
+        """Speculative decoding: lossless w.r.t. `generate_ar` with the same arguments.
+
+        `num_draft_tokens` (g) is how many of the block's `block_size - 1` proposals the target
+        verifies per round; fewer can be faster where verifying is compute-bound (CPU).
+        """
+        if self.draft is None:
+            raise GenerationInputError("this engine has no draft; use generate_ar")
+        g = self.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
+        if not 1 <= g <= self.block_size - 1:
+            raise GenerationInputError(
+                f"num_draft_tokens={g} must be in 1..{self.block_size - 1} (block_size - 1)"
+            )
+        return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, g, seed)
+
+    def generate_ar(
+        self,
+        prompts: Prompts,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        chat: bool = True,
+        *,
+        stop: Sequence[str] = (),
+        seed: int = 0,
+    ) -> GenerationResult:
+        """Plain autoregressive decoding with the same target and caches (the baseline)."""
+        return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed)
+
+    # ------------------------------------------------------------------ the loop
+    def _run(
+        self,
+        prompts: Prompts,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        chat: bool,
+        stop: Sequence[str],
+        num_draft: int,
+        seed: int,
+    ) -> GenerationResult:
+        ids = encode_prompts(
+            prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size
+        )
+        self._check_request(ids, max_new_tokens, temperature, top_p, stop, num_draft)
+        speculative = num_draft > 0
+        stats = GenerationStats(mode="speculative" if speculative else "autoregressive")
+        stats.num_sequences, stats.prompt_tokens = len(ids), sum(len(p) for p in ids)
+        stats.accepted_at = [0] * num_draft
+        sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
+        timer = StepTimer(self.device)
+        states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
+        start = time.perf_counter()
+
+        with timer.section("prefill"):
+            anchors = self._prefill(ids, sampler, with_draft=speculative)
+        first = anchors.tolist()  # deliberate sync: the first token decides EOS/stop/budget
+        for state, token in zip(states, first, strict=True):
+            state.extend([token], ends_with_eos=token in self.eos_token_ids)
+        committed = [len(p) for p in ids]  # host mirror of the target cache lengths
+
+        while not all(s.done for s in states):
+            active = torch.tensor([not s.done for s in states], device=self.device)
+            longest = max(n for s, n in zip(states, committed) if not s.done)
+            acc, features = self._round(anchors, longest, num_draft, sampler, timer)
+            self._record(acc, states, committed, stats)
+            stats.steps += 1
+            # Commit: the anchor and the accepted drafts now have valid target K/V and features;
+            # the rejected tail is dropped by not counting it. Rows that are done go back to
+            # length 0 so their idle writes in later rounds stay inside the caches.
+            lengths = torch.tensor(
+                [0 if s.done else n for s, n in zip(states, committed)], device=self.device
+            )
+            self.target.cache.crop(lengths)
+            if speculative:
+                appended = (acc.num_accepted + 1) * active  # anchor + accepted drafts per row
+                self.draft.append_context(self.draft_cache, features, appended)
+                self.draft.crop_context(self.draft_cache, lengths)
+            anchors = acc.tokens.gather(1, acc.num_accepted[:, None]).squeeze(1)
+
+        times = timer.totals()
+        stats.total_s = time.perf_counter() - start
+        stats.prefill_s = times.get("prefill", 0.0)
+        stats.draft_s = times.get("draft", 0.0)
+        stats.verify_s = times.get("verify", 0.0)
+        stats.new_tokens = sum(len(s.tokens) for s in states)
+        texts = None
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(s.tokens, skip_special_tokens=True) for s in states]
+        return GenerationResult(
+            token_ids=[s.tokens for s in states],
+            texts=texts,
+            finish_reasons=[s.finish_reason or "length" for s in states],
+            stats=stats,
+        )
+
+    def _check_request(
+        self,
+        ids: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str],
+        num_draft: int,
+    ) -> None:
+        """Reject a request the caches or settings cannot serve, before any forward."""
+        if len(ids) > self.max_batch_size:
+            raise GenerationInputError(
+                f"{len(ids)} prompts exceed the engine's max_batch_size={self.max_batch_size}"
+            )
+        if max_new_tokens < 1:
+            raise GenerationInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0.0 < top_p <= 1.0:
+            raise GenerationInputError(
+                f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}"
+            )
+        if stop and self.tokenizer is None:
+            raise GenerationInputError("stop strings need a tokenizer")
+        # Room for the prompt, every new token, and the widest verify written past them.
+        needed = max(len(p) for p in ids) + max_new_tokens + num_draft + 1
+        if needed > self.max_seq_len:
+            raise GenerationInputError(
+                f"the longest prompt ({max(len(p) for p in ids)} tokens) + max_new_tokens "
+                f"({max_new_tokens}) + one verified block ({num_draft + 1}) needs {needed} cache "
+                f"positions; the engine was built with max_seq_len={self.max_seq_len}"
+            )
+
+    def _record(
+        self,
+        acc: Acceptance,
+        states: list[SequenceState],
+        committed: list[int],
+        stats: GenerationStats,
+    ) -> None:
+        """Read one round's acceptance to the host and commit it to the running sequences."""
+        counts, hit_eos = clip_at_eos(acc.tokens, acc.num_accepted + 1, self._eos)
+        # The round's single host read: everything the bookkeeping needs in one transfer.
+        packed = torch.cat(
+            [acc.tokens, acc.num_accepted[:, None], counts[:, None], hit_eos[:, None].long()],
+            dim=1,
+        ).tolist()
+        width = acc.tokens.shape[1]
+        for b, row in enumerate(packed):
+            if states[b].done:
+                continue
+            num_acc, keep, eos = row[width], row[width + 1], bool(row[width + 2])
+            stats.verifications += 1
+            stats.committed += num_acc + 1
+            for i in range(num_acc):
+                stats.accepted_at[i] += 1
+            states[b].extend(row[:keep], ends_with_eos=eos)
+            committed[b] += num_acc + 1
+
+    def _prefill(self, ids: list[list[int]], sampler: _Sampler, with_draft: bool) -> torch.Tensor:
+        """Run the prompts (right-padded), commit them, return the first new token `(B,)`."""
+        batch, longest = len(ids), max(len(p) for p in ids)
+        lengths = torch.tensor([len(p) for p in ids], device=self.device)
+        # Right-padded (B, longest); the padding lands past each committed length.
+        padded = torch.tensor([p + [0] * (longest - len(p)) for p in ids], device=self.device)
+        self.target.cache.reset(batch)
+        out = self.target(padded, kv_len=longest)
+        last = out.hidden[torch.arange(batch, device=self.device), lengths - 1]  # (B, H)
+        first = next_tokens(
+            self.target.logits(last), sampler.temperature, sampler.top_p, sampler.generator
+        )
+        self.target.cache.crop(lengths)
+        if with_draft:
+            self.draft_cache = self._draft_cache_for(batch)
+            self.draft.crop_context(self.draft_cache, torch.zeros_like(lengths))
+            self.draft.append_context(self.draft_cache, out.features, lengths)
+        return first
+
+    def _round(
+        self,
+        anchors: torch.Tensor,
+        longest: int,
+        num_draft: int,
+        sampler: _Sampler,
+        timer: StepTimer,
+    ) -> tuple[Acceptance, torch.Tensor | None]:
+        """Draft (if speculative), verify `[anchor, d_1..d_g]`, accept. Plain decoding is g = 0."""
+        draft_tokens = anchors[:, None][:, :0]  # (B, 0)
+        draft_q = None
+        if num_draft > 0:
+            with timer.section("draft"):
+                draft_tokens, draft_q = self._propose(anchors, sampler, num_draft)
+        block = torch.cat([anchors[:, None], draft_tokens], dim=1)  # (B, g + 1)
+        with timer.section("verify"):
+            if self._target_step.enabled:
+                _, features, logits = self._target_step(block)
+            else:
+                # Eager: attend only to the slots in use (a graphed step keeps the capacity).
+                # `longest` is the longest committed length of the rows still running; the
+                # others sit at length 0.
+                kv_len = longest + block.shape[1]
+                _, features, logits = self._target_forward(block, kv_len=kv_len)
+        if sampler.temperature <= 0.0:
+            return greedy_accept(draft_tokens, logits), features
+        probs = target_probs(logits, sampler.temperature, sampler.top_p)
+        if draft_q is None:
+            # Plain sampling is rejection sampling with nothing drafted: the bonus is a draw from p.
+            draft_q = probs[:, :0]
+        return rejection_accept(draft_tokens, draft_q, probs, sampler.generator), features
+
+    def _propose(
+        self, anchors: torch.Tensor, sampler: _Sampler, num_draft: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first `num_draft` of the draft's proposals for each anchor, and their q."""
+        if sampler.temperature <= 0.0:
+            (tokens,) = self._draft_step(anchors)
+            return tokens[:, :num_draft], None
+        proposal = self.draft.propose(
+            self.draft_cache, anchors, sampler.temperature, sampler.generator
+        )
+        return proposal.tokens[:, :num_draft], proposal.q[:, :num_draft]
+
+    def _draft_greedy(self, anchors: torch.Tensor) -> tuple[torch.Tensor]:
+        # Greedy proposals only: sampling draws from a generator and runs eager.
+        return (self.draft.propose(self.draft_cache, anchors, 0.0, None).tokens,)
+
+    def _target_forward(
+        self, block: torch.Tensor, kv_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        out = self.target(block, kv_len=kv_len)
+        return out.hidden, out.features, self.target.logits(out.hidden)
+
+    def _draft_cache_for(self, batch: int) -> Any:
+        """The draft context cache for `batch` sequences, allocated on first use of that size."""
+        cache = self._draft_caches.get(batch)
+        if cache is None:
+            cache = self.draft.new_context_cache(
+                batch, self.max_seq_len, device=self.device, dtype=self.target.dtype
+            )
+            self._draft_caches[batch] = cache
+        return cache
+
+
+@dataclass
+class _Sampler:
+    """Decoding settings of one call."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+
+
+def _load_tokenizer(source: str | Path | Any, *, required: bool) -> Any | None:
+    """A tokenizer object, loaded from a directory when given a path; None if it has none."""
+    if not isinstance(source, (str, Path)):
+        return source
+    directory = Path(source)
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        # transformers would build a placeholder from config.json alone; an engine without a
+        # tokenizer (token-id prompts only) is the honest outcome.
+        if required:
+            raise GenerationInputError(
+                f"{directory}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+            )
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError) as err:
+        raise GenerationInputError(f"{directory}: cannot load its tokenizer ({err})") from err
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _eos_ids(target_dir: Path, model: TargetModel, tokenizer: Any | None) -> list[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    for source in (target_dir / "generation_config.json",):
+        if source.is_file():
+            value = json.loads(source.read_text()).get("eos_token_id")
+            if value is not None:
+                return [value] if isinstance(value, int) else list(value)
+    value = getattr(model.hf_config, "eos_token_id", None)
+    if value is not None:
+        return [value] if isinstance(value, int) else list(value)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [tokenizer.eos_token_id]
+    return []

@@ -1,0 +1,110 @@
+"""What a generation call measures about itself: acceptance and where the time went."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one `generate` / `generate_ar` call (all sequences of the batch together).
+
+    A *verification* is one target forward over a block for one active sequence (one decode step
+    in plain decoding). `tau` is tokens committed per verification (accepted + bonus), averaged
+    over verifications; `per_position_acceptance[i]` is the share of verifications in which draft
+    token i + 1 was accepted, so `tau = 1 + sum(per_position_acceptance)`.
+    """
+
+    mode: str
+    num_sequences: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # target forwards after the prefill (batched)
+    verifications: int = 0  # per-sequence verifications (steps x active sequences)
+    committed: int = 0  # tokens committed by verifications, before EOS/length truncation
+    accepted_at: list[int] = field(default_factory=list)  # per draft position
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: committed tokens per verification (1.0 for plain decoding)."""
+        return self.committed / self.verifications if self.verifications else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Share of verifications in which draft position i + 1 was accepted."""
+        if not self.verifications:
+            return [0.0 for _ in self.accepted_at]
+        return [count / self.verifications for count in self.accepted_at]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of wall time (prefill included)."""
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def draft_ms_per_step(self) -> float:
+        """Mean draft time per step in milliseconds."""
+        return 1e3 * self.draft_s / self.steps if self.steps else 0.0
+
+    @property
+    def verify_ms_per_step(self) -> float:
+        """Mean target (verify or decode) forward time per step in milliseconds."""
+        return 1e3 * self.verify_s / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        """Counters plus the derived rates, JSON-ready."""
+        out: dict[str, object] = asdict(self)
+        out.update(
+            tau=self.tau,
+            per_position_acceptance=self.per_position_acceptance,
+            tokens_per_s=self.tokens_per_s,
+            draft_ms_per_step=self.draft_ms_per_step,
+            verify_ms_per_step=self.verify_ms_per_step,
+        )
+        return out
+
+
+class StepTimer:
+    """Accumulates time per named section without syncing inside a step.
+
+    On CPU, sections are timed with `perf_counter` (the work is synchronous). On CUDA, each
+    section records a pair of events and `totals()` synchronises once at the end.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Time the body under `name`."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            start_s = time.perf_counter()
+            yield
+            self._seconds[name] += time.perf_counter() - start_s
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per section (synchronises the device once)."""
+        if self._events:
+            torch.cuda.synchronize()
+            for name, start, end in self._events:
+                self._seconds[name] += start.elapsed_time(end) / 1e3
+            self._events.clear()
+        return dict(self._seconds)

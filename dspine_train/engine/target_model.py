@@ -1,0 +1,320 @@
+"""Compact causal-LM target for the engine: Qwen3, Qwen2 and Llama.
+
+One module tree with Hugging Face parameter names (`model.layers.{i}.self_attn.q_proj.weight`,
+...) so a target's safetensors load straight into it (`weights.load_target`). The forward runs
+new tokens of a ragged batch against a `StaticKVCache` and returns, from the same pass, the final
+normed hidden states and the draft's context features: the outputs of the requested layers,
+`hidden_states[l + 1]` in HF's `output_hidden_states` numbering, concatenated to `(B, T, n*H)`.
+
+The family differences are three switches: q/k RMSNorm per head (Qwen3), bias on q/k/v but not o
+(Qwen2, or `attention_bias` for Qwen3/Llama), and `mlp_bias` (Llama).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from dspine_train.engine.errors import CheckpointError
+from dspine_train.engine.kv_cache import StaticKVCache
+from dspine_train.engine.rope import RopeTable, apply_rope
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+# `hidden_act` names of these families; transformers.activations is not used because importing
+# it pulls in accelerate, which the engine must not load.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The architecture facts the compact target needs, read from an HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config: PretrainedConfig) -> TargetConfig:
+        """Translate a `Qwen3Config` / `Qwen2Config` / `LlamaConfig`; reject anything else."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"config.json model_type={model_type!r} is not supported by the engine "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise CheckpointError(
+                f"config.json layer_types={sorted(set(layer_types))}: sliding-window layers "
+                f"are not supported by the engine"
+            )
+        if config.hidden_act not in ACTIVATIONS:
+            raise CheckpointError(
+                f"config.json hidden_act={config.hidden_act!r} is not supported by the engine "
+                f"(supported: {', '.join(ACTIVATIONS)})"
+            )
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            hidden_act=config.hidden_act,
+            # Qwen2 hard-codes bias on q/k/v and none on o; the others follow `attention_bias`.
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward returns."""
+
+    hidden: torch.Tensor  # (B, T, H) final hidden states after the final norm
+    features: torch.Tensor | None  # (B, T, n*H) outputs of the feature layers, or None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, in HF's order."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the static cache (SDPA, boolean mask)."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: StaticKVCache,
+        layer: int,
+        positions: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
+        batch, steps, _ = x.shape
+        # (B, T, heads * D) -> (B, T, heads, D)
+        q = self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, steps, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, steps, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # (B, T, heads, D) -> (B, heads, T, D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        cache.write(layer, k, v, positions)
+        keys, values = cache.layer_view(layer, batch, kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        # (B, heads, T, D) -> (B, T, heads * D)
+        out = out.transpose(1, 2).reshape(batch, steps, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """Gated MLP: `down(act(gate(x)) * up(x))`."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        size, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(size, inner, bias=bias)
+        self.up_proj = nn.Linear(size, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, size, bias=bias)
+        self.act_fn = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention then MLP, each with a residual."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: StaticKVCache,
+        layer: int,
+        positions: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, positions, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    """The frozen target: `model` (backbone) + `lm_head`, inference only.
+
+    Build it on the `meta` device and load weights with `weights.load_target`; then call
+    `setup(max_batch_size, max_seq_len)` once to allocate the KV cache and RoPE table.
+    """
+
+    def __init__(self, config: TargetConfig, hf_config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.hf_config = hf_config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.feature_layer_ids: tuple[int, ...] = ()
+        self.cache: StaticKVCache | None = None
+        self.rope: RopeTable | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the weights."""
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights."""
+        return self.lm_head.weight.dtype
+
+    def set_feature_layers(self, layer_ids: tuple[int, ...] | list[int]) -> None:
+        """Choose the layers (0-based) whose outputs `forward` returns as context features."""
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ValueError(
+                f"feature layer ids {bad} are outside the target's {self.config.num_layers} layers"
+            )
+        self.feature_layer_ids = ids
+
+    def setup(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocate the static KV cache and RoPE table (once; sizes are upper bounds)."""
+        if max_seq_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the target's max_position_embeddings="
+                f"{self.config.max_position_embeddings}"
+            )
+        cfg = self.config
+        self.cache = StaticKVCache(
+            max_batch_size,
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            max_seq_len,
+            cfg.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.rope = RopeTable(
+            self.hf_config, cfg.head_dim, max_seq_len, device=self.device, dtype=self.dtype
+        )
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> TargetOutput:
+        """Run new tokens `input_ids (B, T)` (right-padded) at each sequence's cache length.
+
+        Sequence `b`'s token `i` gets position `cache.lengths[b] + i` and is written to that
+        cache slot; `cache.lengths` is not advanced (the caller commits with `cache.crop`).
+        `kv_len` bounds the slots attended to (any value above every `lengths[b] + T`); the
+        default, the full capacity, keeps shapes static for CUDA graphs.
+        """
+        if self.cache is None or self.rope is None:
+            raise RuntimeError("TargetModel.setup(...) must be called before forward")
+        cache, (batch, steps) = self.cache, input_ids.shape
+        kv_len = cache.capacity if kv_len is None else kv_len
+        offsets = torch.arange(steps, device=input_ids.device)
+        positions = cache.lengths[:batch, None] + offsets[None, :]  # (B, T)
+        slots = torch.arange(kv_len, device=input_ids.device)
+        # (B, 1, T, S): a query sees the slots at or before its own position.
+        mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        rope = self.rope.lookup(positions)
+
+        wanted = set(self.feature_layer_ids)
+        collected: dict[int, torch.Tensor] = {}
+        x = self.model.embed_tokens(input_ids)
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, rope, mask, cache, index, positions, kv_len)
+            if index in wanted:
+                collected[index] = x
+        hidden = self.model.norm(x)
+        # HF reports the normed state as the last entry of `hidden_states`; follow it.
+        if self.config.num_layers - 1 in wanted:
+            collected[self.config.num_layers - 1] = hidden
+        features = None
+        if self.feature_layer_ids:
+            features = torch.cat([collected[i] for i in self.feature_layer_ids], dim=-1)
+        return TargetOutput(hidden=hidden, features=features)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits `(..., V)` of final hidden states `(..., H)`."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,68 @@
+"""Checks that run before any generation: does the draft fit the target, are its files intact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+
+from dspine_train.engine.errors import CheckpointError, IncompatibleDraftError
+from dspine_train.engine.target_model import TargetModel
+
+
+def check_draft_files(directory: str | Path) -> None:
+    """Fail with `CheckpointError` unless `directory` holds a readable draft export.
+
+    Opening each safetensors file validates its header and that the data it announces is all
+    there, which catches truncated and corrupted files without reading the tensors.
+    """
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory}: no config.json (expected an exported DSpine draft)")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weights")
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                handle.keys()
+        except SafetensorError as err:
+            raise CheckpointError(f"{path}: not a valid safetensors file ({err})") from err
+
+
+def check_draft_fits_target(draft_config: Any, target: TargetModel, tokenizer: Any | None) -> None:
+    """Raise `IncompatibleDraftError` when the draft was made for another target.
+
+    Compares width, vocabulary, feature layers against the target's depth, and the tokenizer
+    length recorded at export (`target_vocab_size`) with the tokenizer in use.
+    """
+    cfg = target.config
+    problems = []
+    if draft_config.hidden_size != cfg.hidden_size:
+        problems.append(f"hidden_size: draft {draft_config.hidden_size}, target {cfg.hidden_size}")
+    if draft_config.vocab_size != cfg.vocab_size:
+        problems.append(f"vocab_size: draft {draft_config.vocab_size}, target {cfg.vocab_size}")
+    layer_ids = list(draft_config.target_layer_ids)
+    beyond = [i for i in layer_ids if not 0 <= i < cfg.num_layers]
+    if beyond:
+        problems.append(
+            f"target_layer_ids {beyond} are beyond the target's {cfg.num_layers} layers"
+        )
+    recorded_depth = getattr(draft_config, "target_num_layers", None)
+    if recorded_depth is not None and recorded_depth != cfg.num_layers:
+        problems.append(
+            f"target_num_layers: draft made for {recorded_depth} layers, "
+            f"target has {cfg.num_layers}"
+        )
+    recorded_vocab = getattr(draft_config, "target_vocab_size", None)
+    if tokenizer is not None and recorded_vocab is not None and recorded_vocab != len(tokenizer):
+        problems.append(
+            f"target_vocab_size: draft made for a tokenizer of {recorded_vocab} tokens, "
+            f"this tokenizer has {len(tokenizer)} (another tokenizer)"
+        )
+    if problems:
+        name = getattr(draft_config, "target_name_or_path", None) or "another target"
+        raise IncompatibleDraftError(
+            f"the draft does not fit this target (it was made for {name}): " + "; ".join(problems)
+        )

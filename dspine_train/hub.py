@@ -1,0 +1,376 @@
+"""Publish an exported DSpine draft on the Hugging Face Hub: validation, model card, upload.
+
+`scripts/push_to_hub.py` is the command line; this module holds the logic so it can be tested
+with the Hub client replaced by a fake.
+
+An export directory (written by the trainer's export step) holds:
+
+    config.json           required; model_type "dspine" and the target's identity
+    model.safetensors     required (or model.safetensors.index.json + the shards it names)
+    eval_results.json     optional; measured results: "acceptance_length" (mean tokens per
+                          target verification), "acceptance_length_per_position" (list; entry
+                          k-1 is the share of blocks whose first k drafted tokens were accepted), and
+                          any other scalar entries (temperature, num_prompts, ...), all shown
+    training_info.json    optional; "recipe" (str) and "dataset" (str or list of str)
+    (token table and any other files are uploaded as they are)
+
+The model card reports only what these files say; a missing measurement is written as
+"not measured", never estimated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import HfApi, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError, safe_open
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+EVAL_RESULTS_FILE = "eval_results.json"
+TRAINING_INFO_FILE = "training_info.json"
+CARD_FILE = "README.md"
+CARD_TAGS = ["speculative-decoding", "dspine", "draft-model"]
+LIBRARY_NAME = "dspine-train"
+# Folders never uploaded (and never listed by the dry run): VCS and local caches.
+EXCLUDED_DIRS = (".git", ".cache")
+UPLOAD_IGNORE_PATTERNS = [f"{name}/**" for name in EXCLUDED_DIRS]
+
+NOT_MEASURED = "not measured"
+NOT_RECORDED = "not recorded"
+
+
+class ExportError(ValueError):
+    """The export directory is missing a file or holds an invalid one; the message names it."""
+
+
+@dataclass
+class ExportInfo:
+    """What `validate_export` found in an export directory.
+
+    Attributes:
+        path: the export directory.
+        config: parsed config.json.
+        weight_files: safetensors files, relative to `path`.
+        num_tensors: tensors across the weight files.
+        num_values: elements across those tensors (parameters plus saved buffers).
+        eval_results: parsed eval_results.json, None when absent.
+        training_info: parsed training_info.json, empty when absent.
+    """
+
+    path: Path
+    config: dict[str, Any]
+    weight_files: list[str]
+    num_tensors: int
+    num_values: int
+    eval_results: dict[str, Any] | None = None
+    training_info: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- validation
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; `ExportError` naming the file when missing or invalid."""
+    if not path.is_file():
+        raise ExportError(f"{path}: missing (an export needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ExportError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _weight_files(export_dir: Path) -> list[str]:
+    """The safetensors files of the export: the single file, or the shards of the index."""
+    if (export_dir / WEIGHTS_FILE).is_file():
+        return [WEIGHTS_FILE]
+    if not (export_dir / WEIGHTS_INDEX_FILE).is_file():
+        raise ExportError(f"{export_dir / WEIGHTS_FILE}: missing (no {WEIGHTS_INDEX_FILE} either)")
+    weight_map = _read_json(export_dir / WEIGHTS_INDEX_FILE).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ExportError(f"{export_dir / WEIGHTS_INDEX_FILE}: no 'weight_map' entries")
+    return sorted(set(weight_map.values()))
+
+
+def _count_tensors(path: Path) -> tuple[int, int]:
+    """(tensors, elements) of a safetensors file, reading only its header."""
+    if not path.is_file():
+        raise ExportError(f"{path}: missing")
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            shapes = [handle.get_slice(name).get_shape() for name in handle.keys()]
+    except (SafetensorError, OSError) as err:
+        raise ExportError(f"{path}: not a readable safetensors file ({err})") from None
+    if not shapes:
+        raise ExportError(f"{path}: holds no tensors")
+    return len(shapes), sum(math.prod(shape) for shape in shapes)
+
+
+def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
+    """Check an export directory and read what the model card needs.
+
+    Requires config.json with `model_type` "dspine" and readable safetensors weights (the
+    header must parse and cover the whole file). `ExportError` names the offending file.
+    """
+    path = Path(export_dir)
+    if not path.is_dir():
+        raise ExportError(f"{path}: not a directory")
+    config_path = path / CONFIG_FILE
+    config = _read_json(config_path)
+    if config.get("model_type") != "dspine":
+        raise ExportError(
+            f"{config_path}: model_type is {config.get('model_type')!r}, expected 'dspine'"
+        )
+    weight_files = _weight_files(path)
+    num_tensors = num_values = 0
+    for name in weight_files:
+        tensors, values = _count_tensors(path / name)
+        num_tensors += tensors
+        num_values += values
+
+    eval_path = path / EVAL_RESULTS_FILE
+    eval_results = _read_json(eval_path) if eval_path.is_file() else None
+    if eval_results is not None and "acceptance_length" in eval_results:
+        tau = eval_results["acceptance_length"]
+        if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau):
+            raise ExportError(
+                f"{eval_path}: 'acceptance_length' must be a finite number, got {tau!r}"
+            )
+    info_path = path / TRAINING_INFO_FILE
+    training_info = _read_json(info_path) if info_path.is_file() else {}
+    return ExportInfo(
+        path, config, weight_files, num_tensors, num_values, eval_results, training_info
+    )
+
+
+def upload_files(export_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """(relative path, bytes) of every export file `push_export` uploads, sorted.
+
+    The model card is written as README.md just before the upload, replacing any README.md.
+    """
+    root = Path(export_dir)
+    files = {}
+    for item in root.rglob("*"):
+        relative = item.relative_to(root)
+        if item.is_file() and not any(part in EXCLUDED_DIRS for part in relative.parts):
+            files[relative.as_posix()] = item.stat().st_size
+    return sorted(files.items())
+
+
+# --------------------------------------------------------------------------- model card
+def hub_base_model(name: str | None) -> str | None:
+    """`name` when it can be a Hub model id (and is not a local directory), else None."""
+    if not name or Path(name).expanduser().exists():
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_format_value(v) for v in value)
+    return str(value)
+
+
+def _eval_section(eval_results: dict[str, Any] | None) -> list[str]:
+    """Measured results exactly as eval_results.json records them."""
+    if eval_results is None:
+        return [
+            f"Mean acceptance length: **{NOT_MEASURED}** (the export has no {EVAL_RESULTS_FILE}).",
+        ]
+    lines = []
+    tau = eval_results.get("acceptance_length")
+    if tau is None:
+        lines.append(
+            f"Mean acceptance length: **{NOT_MEASURED}** ({EVAL_RESULTS_FILE} has no "
+            "`acceptance_length`)."
+        )
+    else:
+        lines.append(
+            f"Mean acceptance length: **{tau:.3f}** tokens per target verification "
+            f"(from {EVAL_RESULTS_FILE})."
+        )
+    per_position = eval_results.get("acceptance_length_per_position")
+    if isinstance(per_position, list) and per_position:
+        lines += [
+            "",
+            "| k (drafted tokens) | "
+            + " | ".join(str(i + 1) for i in range(len(per_position)))
+            + " |",
+            "|---" * (len(per_position) + 1) + "|",
+            "| share of blocks with the first k accepted | "
+            + " | ".join(_format_value(v) for v in per_position)
+            + " |",
+        ]
+    scalars = {
+        key: value
+        for key, value in eval_results.items()
+        if key != "acceptance_length"
+        and isinstance(value, str | int | float)
+        and not isinstance(value, bool)
+    }
+    if scalars:
+        lines += ["", "| metric | value |", "|---|---|"]
+        lines += [f"| {key} | {_format_value(value)} |" for key, value in sorted(scalars.items())]
+    return lines
+
+
+def render_model_card(
+    info: ExportInfo,
+    *,
+    repo_id: str,
+    recipe: str | None = None,
+    dataset: str | None = None,
+    base_model: str | None = None,
+) -> str:
+    """The README.md of the Hub repository: YAML front matter, then what the export records.
+
+    `recipe`, `dataset` and `base_model` override what training_info.json / config.json say.
+    Numbers in the card come only from the export's files.
+    """
+    config = info.config
+    target = base_model or config.get("target_name_or_path")
+    metadata = ModelCardData(
+        library_name=LIBRARY_NAME,
+        tags=list(CARD_TAGS),
+        base_model=base_model or hub_base_model(target),
+    )
+    recorded_recipe = info.training_info.get("recipe")
+    recipe = recipe or (recorded_recipe if isinstance(recorded_recipe, str) else None)
+    recipe = recipe or NOT_RECORDED
+    recorded_data = info.training_info.get("dataset")
+    if isinstance(recorded_data, list) and all(isinstance(d, str) for d in recorded_data):
+        recorded_data = ", ".join(recorded_data)
+    dataset = dataset or (recorded_data if isinstance(recorded_data, str) else None)
+    dataset = dataset or NOT_RECORDED
+    target_text = f"`{target}`" if target else NOT_RECORDED
+    if config.get("target_model_type"):
+        target_text += f" ({config['target_model_type']})"
+    layer_ids = config.get("target_layer_ids")
+
+    def field_of(key: str) -> str:
+        return _format_value(config[key]) if key in config else NOT_RECORDED
+
+    rows = [
+        ("target model", target_text),
+        ("draft layers", field_of("num_layers")),
+        ("target layers read (0-based)", _format_value(layer_ids) if layer_ids else NOT_RECORDED),
+        ("block size", field_of("block_size")),
+        ("block attention", field_of("block_attention")),
+        ("adjacent injection", field_of("injection")),
+        ("transfer dim / message size", f"{field_of('transfer_dim')} / {field_of('message_size')}"),
+        ("transition-cache candidates (K)", field_of("candidate_k")),
+        ("transition-cache decode", field_of("transition_cache")),
+        (
+            "weights",
+            f"{info.num_values:,} values in {info.num_tensors} tensors "
+            f"({', '.join(info.weight_files)})",
+        ),
+    ]
+    target_id = target or "TARGET_MODEL"
+    lines = [
+        "---",
+        metadata.to_yaml(),
+        "---",
+        "",
+        f"# {repo_id.split('/')[-1]}",
+        "",
+        f"A DSpine draft model for lossless speculative decoding with {target_text} as the target. "
+        "One forward of the draft proposes a block of tokens, each position conditioned on its "
+        "predecessor's forming prediction; the target verifies the block in one forward, so the "
+        "output is the target's own.",
+        "",
+        "## Model",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {name} | {value} |" for name, value in rows],
+        "",
+        "## Training",
+        "",
+        f"- recipe: {recipe}",
+        f"- data: {dataset}",
+        "",
+        "## Evaluation",
+        "",
+        *_eval_section(info.eval_results),
+        "",
+        "## Usage",
+        "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM",
+        "from dspine_train import DSpineDraftModel",
+        "",
+        f'target = AutoModelForCausalLM.from_pretrained("{target_id}", dtype=torch.bfloat16)',
+        f'draft = DSpineDraftModel.from_pretrained("{repo_id}", dtype=torch.bfloat16)',
+        "# The draft shares the target's frozen embedding and lm_head (not stored in this repo).",
+        "draft.bind_target(target.get_input_embeddings().weight,",
+        "                  target.get_output_embeddings().weight)",
+        "```",
+        "",
+        f"Trained and exported with {LIBRARY_NAME}; its README describes the speculative decoding "
+        "engine that runs this draft and the benchmark scripts.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- upload
+def write_card(export_dir: str | os.PathLike[str], card: str) -> Path:
+    """Write `card` as README.md of the export, atomically (no half-written card on failure)."""
+    target = Path(export_dir) / CARD_FILE
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".README.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(card)
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def push_export(
+    export_dir: str | os.PathLike[str],
+    repo_id: str,
+    card: str,
+    *,
+    token: str,
+    private: bool = False,
+    commit_message: str = "Upload DSpine draft",
+    api_factory: Callable[..., HfApi] | None = None,
+) -> str:
+    """Create the repo if needed, write the card into the export and upload the folder.
+
+    `private` applies when the repository is created (an existing one keeps its visibility).
+    `api_factory` builds the Hub client (default `HfApi(token=...)`); tests pass a fake.
+    Returns the URL of the commit.
+    """
+    api = (api_factory or HfApi)(token=token)
+    repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    write_card(export_dir, card)
+    commit = api.upload_folder(
+        repo_id=getattr(repo_url, "repo_id", None) or repo_id,
+        folder_path=str(export_dir),
+        repo_type="model",
+        commit_message=commit_message,
+        ignore_patterns=UPLOAD_IGNORE_PATTERNS,
+    )
+    return str(getattr(commit, "commit_url", None) or commit)

@@ -1,0 +1,320 @@
+"""The one typed schema of a training run, registered in Hydra's ConfigStore.
+
+Recipe YAML under `recipes/` only overrides these dataclasses; Hydra merges
+dataclass defaults -> recipe groups -> command line and rejects an unknown key or a wrong type
+before any work starts. `validate_config` adds the checks a type cannot express (ranges,
+combinations) and names the offending field.
+
+Draft fields left at `None` in `ModelConfig` take the `DSpineConfig` default (or, for the
+architecture, the target's value), so the defaults live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum, StrEnum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+class Precision(StrEnum):
+    """Numeric format of the draft's parameters and activations (DeepSpeed `bf16` section)."""
+
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class BlockAttention(StrEnum):
+    """Attention inside a block: causal for DSpine, bidirectional for plain DFlash."""
+
+    causal = "causal"
+    bidirectional = "bidirectional"
+
+
+@dataclass
+class ModelConfig:
+    """The frozen target and the draft built for it.
+
+    Attributes:
+        target_path: a Hugging Face causal LM (local directory or Hub id; safetensors weights).
+        target_config_path: a directory or config.json describing the target, read by
+            `plan_only` when `target_path` is not available locally. None: `target_path`.
+        trust_remote_code: allow the target's own modelling code (off unless asked).
+        target_dtype: dtype the frozen target runs in ("bfloat16", "float16", "float32").
+        tiny_random_target: when `target_path` does not exist, write a tiny random Qwen3 there
+            first (the `tiny` recipe and CI; never for a real target).
+        token_table_path: PCA-whitened token codes (SPEC 2.1); built from the target's lm_head
+            and cached here when missing. None: `<output_dir>/token_table.safetensors`.
+        init_from: an exported draft directory to start from instead of a fresh draft.
+        num_layers .. distill_mass_threshold: `DSpineConfig` fields; None keeps its default.
+    """
+
+    target_path: str = MISSING
+    target_config_path: str | None = None
+    trust_remote_code: bool = False
+    target_dtype: str = "bfloat16"
+    tiny_random_target: bool = False
+    token_table_path: str | None = None
+    init_from: str | None = None
+
+    num_layers: int | None = None
+    block_size: int | None = None
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    block_attention: BlockAttention | None = None
+    injection: bool | None = None
+    transfer_dim: int | None = None
+    message_size: int | None = None
+    replacement_layers: int | None = None
+    transition_cache: bool | None = None
+    candidate_k: int | None = None
+    loss_gamma: float | None = None
+    ce_weight: float | None = None
+    distill: bool | None = None
+    refine_weight: float | None = None
+    alignment_weight: float | None = None
+    alignment_warmup_steps: int | None = None
+    token_ce_intermediate: bool | None = None
+    distill_mass_threshold: float | None = None
+
+    def draft_overrides(self) -> dict[str, Any]:
+        """The `DSpineConfig` fields this recipe sets (the ones that are not None)."""
+        own = {"target_path", "target_config_path", "trust_remote_code", "target_dtype", "tiny_random_target",
+               "token_table_path", "init_from"}
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in own or value is None:
+                continue
+            out[f.name] = value.value if isinstance(value, Enum) else value
+            if isinstance(out[f.name], list | tuple):
+                out[f.name] = [int(v) for v in out[f.name]]
+        return out
+
+
+@dataclass
+class DataConfig:
+    """Tokenised training data: `datasets` Arrow directories with `input_ids`, `loss_mask`, `length`.
+
+    Attributes:
+        train_path: a `save_to_disk` directory (a Dataset, or a DatasetDict holding `train_split`).
+        train_split: split to train on when `train_path` holds a DatasetDict.
+        eval_path: held-out data; None uses `train_path` (its `eval_split`, when it has one).
+        eval_split: split to evaluate on when the eval directory holds a DatasetDict.
+        max_length: sequences are cut to this many tokens.
+        num_anchors: blocks sampled per sequence (SPEC 1, "Training").
+        batch_size: sequences per micro-batch per process.
+        group_by_length: batch sequences of similar length together (less padding).
+        length_group_size: batches per shuffled length-sorted group.
+        offline_features_dir: train from features cached by `data_prep/cache_features.py`
+            instead of running the target online.
+        synthetic: when the train path does not exist, write a small dataset sampled from the
+            target there first (the `tiny` recipe and CI).
+        synthetic_num_sequences: sequences of the synthetic dataset (train + eval).
+        synthetic_length: tokens per synthetic sequence.
+    """
+
+    train_path: str = MISSING
+    train_split: str = "train"
+    eval_path: str | None = None
+    eval_split: str = "eval"
+    max_length: int = 3072
+    num_anchors: int = 512
+    batch_size: int = 1
+    group_by_length: bool = True
+    length_group_size: int = 64
+    offline_features_dir: str | None = None
+    synthetic: bool = False
+    synthetic_num_sequences: int = 160
+    synthetic_length: int = 64
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay (`get_cosine_schedule_with_warmup`).
+
+    Attributes:
+        lr: peak learning rate.
+        warmup_ratio: share of the optimizer steps spent warming up.
+        weight_decay: decoupled weight decay (not applied to norms and biases).
+        betas: Adam betas.
+        eps: Adam epsilon.
+        max_grad_norm: global gradient-norm clip (DeepSpeed `gradient_clipping`); 0 disables.
+        epochs: passes over the training data (used when `max_steps` is 0).
+        max_steps: optimizer steps to run; 0 derives them from `epochs`.
+        grad_accum_steps: micro-batches per optimizer step.
+    """
+
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    epochs: float = 6.0
+    max_steps: int = 0
+    grad_accum_steps: int = 1
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO settings.
+
+    Attributes:
+        stage: ZeRO stage, 2 (default) or 3.
+        config_file: DeepSpeed JSON, relative to `recipes/` or absolute; batch size,
+            accumulation, clipping and precision are filled in from this schema.
+    """
+
+    stage: int = 2
+    config_file: str = "deepspeed/zero2.json"
+
+
+@dataclass
+class LoggingConfig:
+    """Progress bar, metrics file and Weights & Biases.
+
+    Attributes:
+        wandb: log to wandb (offline mode unless WANDB_API_KEY or WANDB_MODE says otherwise).
+        project: wandb project.
+        run_name: wandb run name; None uses the recipe name.
+        log_every: optimizer steps between logged metric lines.
+        progress_bar: tqdm bar on rank 0.
+    """
+
+    wandb: bool = True
+    project: str = "dspine-train"
+    run_name: str | None = None
+    log_every: int = 10
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """Resumable training state (`accelerator.save_state` + `train_state.json`).
+
+    Attributes:
+        dir: checkpoint directory; None: `<output_dir>/checkpoints`.
+        every: optimizer steps between checkpoints (0: only at the end).
+        keep_last: most recent checkpoints kept (the best one is kept besides).
+        resume_from: a checkpoint directory, or "latest" for the newest complete one in `dir`.
+    """
+
+    dir: str | None = None
+    every: int = 1000
+    keep_last: int = 2
+    resume_from: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    """Simulated acceptance length on the held-out split (SPEC 1, "Inference").
+
+    Attributes:
+        every: optimizer steps between evaluations (0: only at the end).
+        max_blocks: blocks evaluated per evaluation (all processes together).
+        num_anchors: blocks sampled per eval sequence.
+        batch_size: eval sequences per forward per process.
+    """
+
+    every: int = 1000
+    max_blocks: int = 4096
+    num_anchors: int = 64
+    batch_size: int = 1
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run; `train.py` receives this, composed by Hydra from `recipes/`.
+
+    Attributes:
+        name: recipe name (run names, model cards).
+        output_dir: checkpoints, metrics, plots and the exports (`final/`, `best/`).
+        seed: seeds the draft init, data order, anchor sampling and replacement draws.
+        precision: draft parameters and activations ("bf16" or "fp32").
+        plan_only: print the per-GPU memory plan of the recipe and exit (loads no weights).
+        gpu_memory_gib: GPU size the memory plan checks against.
+        world_size: GPUs assumed by `plan_only` (a real run uses the launched world).
+        logits_chunk_size: block slots whose full-vocabulary logits exist at once (plan_only).
+    """
+
+    name: str = "custom"
+    output_dir: str = "outputs/${name}"
+    seed: int = 0
+    precision: Precision = Precision.bf16
+    plan_only: bool = False
+    gpu_memory_gib: float = 80.0
+    world_size: int = 8
+    logits_chunk_size: int = 1024
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def register_configs() -> None:
+    """Register the schema as `train_schema` (the base of `recipes/config.yaml`)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """Turn Hydra's composed DictConfig into a validated `TrainConfig` instance."""
+    config = OmegaConf.to_object(cfg)
+    if not isinstance(config, TrainConfig):  # composed without the schema: a recipe bug
+        raise ConfigError("the composed config is not a TrainConfig; recipes/config.yaml "
+                          "must list `train_schema` first in its defaults")
+    validate_config(config)
+    return config
+
+
+def validate_config(config: TrainConfig) -> None:
+    """Range and combination checks a type cannot express; `ConfigError` names the field."""
+    positive = {
+        "data.max_length": config.data.max_length,
+        "data.num_anchors": config.data.num_anchors,
+        "data.batch_size": config.data.batch_size,
+        "data.length_group_size": config.data.length_group_size,
+        "optim.grad_accum_steps": config.optim.grad_accum_steps,
+        "logging.log_every": config.logging.log_every,
+        "checkpoint.keep_last": config.checkpoint.keep_last,
+        "eval.max_blocks": config.eval.max_blocks,
+        "eval.num_anchors": config.eval.num_anchors,
+        "eval.batch_size": config.eval.batch_size,
+        "world_size": config.world_size,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    non_negative = {
+        "optim.lr": config.optim.lr,
+        "optim.weight_decay": config.optim.weight_decay,
+        "optim.max_grad_norm": config.optim.max_grad_norm,
+        "optim.max_steps": config.optim.max_steps,
+        "checkpoint.every": config.checkpoint.every,
+        "eval.every": config.eval.every,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if not 0.0 <= config.optim.warmup_ratio < 1.0:
+        raise ConfigError(f"optim.warmup_ratio must be in [0, 1), got {config.optim.warmup_ratio}")
+    if config.optim.max_steps == 0 and config.optim.epochs <= 0:
+        raise ConfigError("optim.epochs must be > 0 when optim.max_steps is 0")
+    if len(config.optim.betas) != 2:
+        raise ConfigError(f"optim.betas must hold two numbers, got {config.optim.betas}")
+    if config.deepspeed.stage not in (2, 3):
+        raise ConfigError(f"deepspeed.stage must be 2 or 3, got {config.deepspeed.stage}")
+    if config.model.target_dtype not in ("bfloat16", "float16", "float32"):
+        raise ConfigError(
+            "model.target_dtype must be 'bfloat16', 'float16' or 'float32', "
+            f"got {config.model.target_dtype!r}"
+        )

@@ -1,0 +1,86 @@
+"""Build the draft for a target: its `DSpineConfig`, the token table and the initial weights.
+
+Every mismatch between the recipe, the target and an existing token table or draft is caught
+here, before any training step, as a `TrainingError` naming the recipe field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from ..modeling import DSpineConfig, DSpineDraftModel
+from ..token_table import TokenTable, build_token_table
+from .config import ModelConfig
+from .errors import TrainingError
+
+
+def draft_config_for(
+    model_cfg: ModelConfig, target_config: PretrainedConfig, used_vocab_size: int | None
+) -> DSpineConfig:
+    """The draft config: the target's architecture plus the recipe's draft fields."""
+    overrides = model_cfg.draft_overrides()
+    try:
+        config = DSpineConfig.from_target(
+            target_config, used_vocab_size=used_vocab_size, **overrides
+        )
+    except ValueError as err:
+        raise TrainingError(f"model: the draft does not fit the target {model_cfg.target_path!r}: "
+                            f"{err}") from err
+    config.target_name_or_path = model_cfg.target_path
+    return config
+
+
+def load_or_build_token_table(
+    path: Path,
+    head_weight: torch.Tensor,
+    transfer_dim: int,
+    is_main: bool,
+    wait_for_everyone: Callable[[], None],
+) -> TokenTable:
+    """The token table at `path`; built from `head_weight` (V, H) by the main process if missing.
+
+    A table that exists but was built for another head shape is an error, never rebuilt
+    silently (it may belong to another target).
+    """
+    if is_main and not path.exists():
+        print(f"building the token table (r={transfer_dim}) from the target's lm_head -> {path}")
+        table = build_token_table(head_weight.float(), transfer_dim, source=str(path))
+        table.save(path)
+    wait_for_everyone()
+    try:
+        table = TokenTable.load(path)
+    except (ValueError, FileNotFoundError) as err:
+        raise TrainingError(f"model.token_table_path: {err}") from err
+    vocab, hidden = head_weight.shape
+    if (table.vocab_size, table.hidden_size, table.transfer_dim) != (vocab, hidden, transfer_dim):
+        raise TrainingError(
+            f"model.token_table_path: {path} was built for V={table.vocab_size}, "
+            f"H={table.hidden_size}, r={table.transfer_dim}; this target and recipe need "
+            f"V={vocab}, H={hidden}, r={transfer_dim} (delete it or point to another file)"
+        )
+    return table
+
+
+def build_draft(
+    model_cfg: ModelConfig,
+    config: DSpineConfig,
+    table: TokenTable,
+    target_config: PretrainedConfig,
+    seed: int,
+) -> DSpineDraftModel:
+    """A fresh draft (seeded, token codes and readouts from `table`), or `model.init_from`."""
+    if model_cfg.init_from:
+        try:
+            draft = DSpineDraftModel.from_pretrained(model_cfg.init_from)
+            draft.config.validate_for_target(target_config)
+        except (OSError, ValueError) as err:
+            raise TrainingError(f"model.init_from: {err}") from err
+        return draft
+    torch.manual_seed(seed)  # the same initial draft on every process and every rerun
+    draft = DSpineDraftModel(config)
+    draft.init_token_table(table)
+    return draft

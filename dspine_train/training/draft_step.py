@@ -1,0 +1,107 @@
+"""The module DeepSpeed wraps: the draft plus its objective and its evaluation decode.
+
+Everything that touches draft parameters runs inside this module's `forward`, so ZeRO-3 can
+gather each submodule's partitioned parameters as it is called (the loss applies the final
+norm and the injection writes outside the draft's own forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..modeling import DSpineDraftModel
+from ..objective import dspine_loss, slot_weights
+from .evaluation import accepted_prefix, block_counts
+
+
+class DraftStep(nn.Module):
+    """`forward(...)` -> (loss, metrics) for training, or acceptance counts with `evaluate=True`.
+
+    head_weight (V, H) is the target's frozen lm_head (the same tensor bound into the draft),
+    used for the target's greedy tokens during evaluation; it is not a parameter or buffer.
+    """
+
+    def __init__(self, draft: DSpineDraftModel, head_weight: torch.Tensor,
+                 logits_chunk_size: int = 1024) -> None:
+        super().__init__()
+        self.draft = draft
+        self._head = head_weight
+        self.logits_chunk_size = logits_chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        context: torch.Tensor,
+        final_hidden: torch.Tensor,
+        loss_mask: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_mask: torch.Tensor,
+        replace_mask: torch.Tensor | None = None,
+        step: int = 0,
+        total_steps: int = 1,
+        evaluate: bool = False,
+        eval_chunks: int = 0,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | torch.Tensor:
+        """input_ids, loss_mask (B, S); context (B, S, n*H); final_hidden (B, S, H);
+        anchors, anchor_mask, replace_mask (B, A). `eval_chunks`: decode chunks every process
+        runs in evaluation (see `_acceptance_counts`)."""
+        if evaluate:
+            return self._acceptance_counts(input_ids, context, final_hidden, loss_mask,
+                                           anchors, anchor_mask, eval_chunks)
+        out = self.draft(input_ids, context, anchors, anchor_mask, replace_mask)
+        return dspine_loss(
+            self.draft, out, final_hidden, loss_mask, anchors, anchor_mask, step, total_steps,
+            chunk_size=self.logits_chunk_size,
+        )
+
+    @torch.no_grad()
+    def _acceptance_counts(
+        self,
+        input_ids: torch.Tensor,
+        context: torch.Tensor,
+        final_hidden: torch.Tensor,
+        loss_mask: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_mask: torch.Tensor,
+        eval_chunks: int,
+    ) -> torch.Tensor:
+        """Acceptance sums of `evaluation.block_counts` for this batch's blocks."""
+        draft = self.draft
+        bk = draft.config.block_size
+        bsz, seq_len = input_ids.shape
+        out = draft(input_ids, context, anchors, anchor_mask)
+        supervised = slot_weights(loss_mask, anchors, anchor_mask, bk, draft.config.loss_gamma) > 0
+        anchor_ids = torch.gather(input_ids, 1, anchors)  # (B, A)
+        # the target state predicting token a+k sits at position a+k-1, k = 1..Bk-1
+        pred_pos = (anchors[..., None] + torch.arange(bk - 1, device=anchors.device))
+        pred_pos = pred_pos.clamp_max(seq_len - 1)  # (B, A, Bk-1); clamped slots are unsupervised
+        batch_idx = torch.arange(bsz, device=anchors.device)[:, None, None].expand_as(pred_pos)
+
+        # Every real or padding block is decoded, in a fixed number of chunks: under ZeRO-3
+        # each submodule call gathers parameters collectively, so every process must make the
+        # same calls whatever its batch holds. One chunk's (n, Bk-1, V) logits is the peak.
+        flat_b = batch_idx[..., 0].reshape(-1)
+        flat_a = torch.arange(anchors.shape[1], device=anchors.device).expand(bsz, -1).reshape(-1)
+        chunk = max(1, self.logits_chunk_size // (bk - 1))
+        num_chunks = max(-(-flat_b.numel() // chunk), eval_chunks)
+        draft_tokens, target_tokens = [], []
+        for i in range(num_chunks):
+            b, a = flat_b[i * chunk : (i + 1) * chunk], flat_a[i * chunk : (i + 1) * chunk]
+            padding = b.numel() == 0
+            if padding:  # a throw-away chunk that keeps the calls in step across processes
+                b, a = flat_b[:1], flat_a[:1]
+            slot_logits = draft.logits(out.hidden[b, a, 1:])  # (n, Bk-1, V)
+            walk = draft.walk(out.pre_injection[b, a], out.recv_features[b, a], slot_logits,
+                              anchor_ids[b, a])
+            if padding:
+                continue
+            draft_tokens.append(walk.tokens)
+            states = final_hidden[batch_idx[b, a], pred_pos[b, a]]  # (n, Bk-1, H)
+            target_tokens.append(F.linear(states, self._head.to(states.dtype)).argmax(-1))
+        prefix = accepted_prefix(
+            torch.cat(draft_tokens), torch.cat(target_tokens),
+            out.labels.reshape(-1, bk - 1), supervised.reshape(-1, bk - 1),
+        )  # (B*A, Bk-1)
+        return block_counts(prefix, anchor_mask.reshape(-1))

@@ -1,0 +1,77 @@
+"""Simulated acceptance length on held-out data (SPEC 1 "Inference", 2.4).
+
+For a block anchored at a, the draft proposes d_1..d_{B-1} with the real decode (`draft.walk`,
+transition cache included) from the training forward (no replacement). The target's greedy
+token for position a+k is g_k = argmax p_target(. | x_{<a+k}). Slot k is accepted when every
+slot j <= k has d_j == g_j *and* the data token x_{a+j} == g_j: the prefix is then one the
+target itself would have produced greedily, so the verification is exactly what a greedy
+decode would see. tau = 1 + accepted (the bonus token), in [1, B].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def accepted_prefix(
+    draft_tokens: torch.Tensor,
+    target_tokens: torch.Tensor,
+    data_tokens: torch.Tensor,
+    supervised: torch.Tensor,
+) -> torch.Tensor:
+    """Per-slot "accepted so far" flags (..., Bk-1) as float 0/1.
+
+    All inputs (..., Bk-1): draft tokens, the target's greedy tokens, the data tokens and
+    whether the slot is inside the sequence's supervised response.
+    """
+    ok = (draft_tokens == target_tokens) & (data_tokens == target_tokens) & supervised
+    return torch.cumprod(ok.float(), dim=-1)
+
+
+@dataclass
+class AcceptanceStats:
+    """Accumulated acceptance over blocks.
+
+    blocks: number of evaluated blocks; accepted: sum of accepted slots over blocks;
+    per_position: (Bk-1,) blocks whose first k slots were all accepted, k = 1..Bk-1.
+    """
+
+    blocks: float = 0.0
+    accepted: float = 0.0
+    per_position: list[float] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (accepted + the bonus token)."""
+        return 1.0 + self.accepted / max(self.blocks, 1.0)
+
+    def position_rates(self) -> list[float]:
+        """Share of blocks whose first k drafted tokens were all accepted, k = 1..Bk-1."""
+        return [p / max(self.blocks, 1.0) for p in self.per_position]
+
+    def as_metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """Flat metrics for logging: tau, blocks and the per-position rates."""
+        out = {f"{prefix}tau": self.tau, f"{prefix}blocks": self.blocks}
+        for k, rate in enumerate(self.position_rates(), start=1):
+            out[f"{prefix}accept_pos{k}"] = rate
+        return out
+
+
+def block_counts(prefix: torch.Tensor, block_valid: torch.Tensor) -> torch.Tensor:
+    """Sums for `AcceptanceStats`: [blocks, accepted, per-position...] as one float tensor.
+
+    prefix (..., Bk-1) from `accepted_prefix`; block_valid (...,) marks real (not padding)
+    blocks. One tensor so that all processes can sum it with a single all-reduce.
+    """
+    weight = block_valid.float()[..., None]
+    per_position = (prefix * weight).reshape(-1, prefix.shape[-1]).sum(0)  # (Bk-1,)
+    blocks = block_valid.float().sum()
+    return torch.cat((blocks[None], per_position.sum()[None], per_position))
+
+
+def stats_from_counts(counts: torch.Tensor) -> AcceptanceStats:
+    """Inverse of `block_counts` (after summing over processes and batches)."""
+    values = counts.tolist()
+    return AcceptanceStats(blocks=values[0], accepted=values[1], per_position=values[2:])

@@ -1,0 +1,65 @@
+"""Check a run's inputs before any heavy work: target config, draft fields, datasets.
+
+`check_inputs` reads configs and dataset metadata only (no weights, no process group, no
+DeepSpeed), so a bad recipe, a target/draft mismatch or a malformed dataset stops the run in
+seconds with a `TrainingError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+from transformers import PretrainedConfig
+
+from ..modeling import DSpineConfig
+from .config import TrainConfig
+from .data import load_token_dataset, split_names
+from .draft_builder import draft_config_for
+from .errors import TrainingError
+from .target import load_target_config, used_vocab_size
+from .tiny_assets import write_synthetic_dataset, write_tiny_target
+
+
+@dataclass
+class RunInputs:
+    """The checked inputs of a run.
+
+    target_config: the target's HF config. draft_config: the draft for it (before any
+    `model.init_from` override). train / eval: the token datasets (eval None when absent).
+    """
+
+    target_config: PretrainedConfig
+    draft_config: DSpineConfig
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+
+
+def check_inputs(config: TrainConfig) -> RunInputs:
+    """Check everything a run reads; `TrainingError` names the field at fault.
+
+    The `tiny` recipe's assets are written first when asked. Every process of a launch may
+    race to write them: each writes a private copy and the first complete one is kept.
+    """
+    m, d = config.model, config.data
+    if m.tiny_random_target:
+        write_tiny_target(m.target_path, seed=config.seed)
+    if d.synthetic:
+        write_synthetic_dataset(d.train_path, m.target_path, d.synthetic_num_sequences,
+                                d.synthetic_length, seed=config.seed)
+    target_config = load_target_config(m.target_path, m.trust_remote_code)
+    draft_config = draft_config_for(m, target_config, used_vocab_size(m.target_path))
+    depth = target_config.num_hidden_layers
+    bad = [i for i in draft_config.target_layer_ids if not 0 <= i < depth - 1]
+    if bad:
+        # hidden_states[depth] is the *normed* final state, not the raw last-layer output.
+        raise TrainingError(
+            f"model.target_layer_ids: {bad} outside 0..{depth - 2} for the {depth}-layer "
+            f"target {m.target_path!r}"
+        )
+    train = load_token_dataset(d.train_path, d.train_split, "data.train_path")
+    eval_set = None
+    if d.eval_path or d.eval_split in split_names(d.train_path):
+        eval_set = load_token_dataset(d.eval_path or d.train_path, d.eval_split,
+                                      "data.eval_path")
+    return RunInputs(target_config, draft_config, train, eval_set)

@@ -1,0 +1,138 @@
+"""The `tiny` recipe's stand-ins for a real target and dataset, written on first use.
+
+* `write_tiny_target`: a random Qwen3 (4 layers, H 64, V 512) saved with `save_pretrained`, so
+  the trainer loads it through the same `from_pretrained` path as a real target. Its weights
+  are initialised with a large spread so its next-token distributions are peaked (a near-
+  uniform target would give the draft nothing to learn).
+* `write_synthetic_dataset`: conversations *sampled from that target* (as `data_prep`
+  regenerates real responses with the target), with an unsupervised "prompt" prefix, saved as
+  a DatasetDict with `train` and `eval` splits and the `input_ids` / `loss_mask` / `length`
+  columns of a real tokenised dataset.
+
+Both write into a temporary directory and rename it into place, so an interrupted run never
+leaves a half-written asset behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+TINY_VOCAB = 512
+# Ids >= TINY_USED_VOCAB are never generated: they play the tokenizer's unused ids, one of
+# which is the draft's mask token (the tiny recipe uses 511).
+TINY_USED_VOCAB = 500
+PROMPT_TOKENS = 8
+
+
+def tiny_target_config() -> Qwen3Config:
+    """The tiny target's architecture."""
+    return Qwen3Config(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Move a finished temporary directory to `path` (another process may have won the race)."""
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not path.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_tiny_target(path: str | Path, seed: int = 0) -> None:
+    """Save a tiny random Qwen3 causal LM (safetensors) at `path` unless it already exists."""
+    path = Path(path)
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(tiny_target_config())
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the published directory is not
+    model.save_pretrained(tmp, safe_serialization=True)
+    _publish(tmp, path)
+
+
+@torch.no_grad()
+def _sample(
+    model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, temperature: float,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Ancestral sampling with a KV cache, never emitting the unused ids (>= TINY_USED_VOCAB).
+
+    A plain loop: `generate` costs several times more per step at this size.
+    """
+    out = model(prompts, use_cache=True)
+    tokens = [prompts]
+    for _ in range(new_tokens):
+        logits = out.logits[:, -1].float() / temperature  # (N, V)
+        logits[:, TINY_USED_VOCAB:] = -torch.inf
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)  # (N, 1)
+        tokens.append(nxt)
+        out = model(nxt, cache=out.cache, use_cache=True)
+    return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def write_synthetic_dataset(
+    path: str | Path,
+    target_path: str | Path,
+    num_sequences: int,
+    length: int,
+    seed: int = 0,
+    eval_share: float = 0.2,
+    temperature: float = 0.7,
+) -> None:
+    """Sample `num_sequences` sequences of up to `length` tokens from the target at `target_path`.
+
+    Each sequence starts with `PROMPT_TOKENS` random prompt tokens (loss_mask 0) followed by
+    the target's sampled continuation (loss_mask 1), cut to a random length in
+    [length/2, length] so length-grouped batching has something to group.
+    """
+    path = Path(path)
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    target = AutoModelForCausalLM.from_pretrained(str(target_path), use_safetensors=True).eval()
+    prompts = torch.randint(0, TINY_USED_VOCAB, (num_sequences, PROMPT_TOKENS), generator=gen)
+    threads = torch.get_num_threads()
+    # At this size threading overhead dominates (25x slower with 2 threads on a busy machine).
+    torch.set_num_threads(1)
+    try:
+        sequences = _sample(target, prompts, length - PROMPT_TOKENS, temperature, gen)  # (N, len)
+    finally:
+        torch.set_num_threads(threads)
+    cut = torch.randint(length // 2, length + 1, (num_sequences,), generator=gen).tolist()
+    rows = {"input_ids": [], "loss_mask": [], "length": []}
+    for seq, n in zip(sequences.tolist(), cut):
+        rows["input_ids"].append(seq[:n])
+        rows["loss_mask"].append([0] * PROMPT_TOKENS + [1] * (n - PROMPT_TOKENS))
+        rows["length"].append(n)
+    full = datasets.Dataset.from_dict(rows)
+    num_eval = max(1, int(num_sequences * eval_share))
+    splits = datasets.DatasetDict(
+        train=full.select(range(num_eval, num_sequences)),
+        eval=full.select(range(num_eval)),
+    )
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the published directory is not
+    splits.save_to_disk(str(tmp))
+    _publish(tmp, path)

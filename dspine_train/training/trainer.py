@@ -1,0 +1,397 @@
+"""The DSpine training loop: online (or cached) target features -> draft -> objective -> DeepSpeed.
+
+One optimizer step = `grad_accum_steps` micro-batches on each of the W processes. Per micro-batch:
+the frozen target yields the context features and its final hidden state, anchors are sampled
+(SPEC 1), a share of blocks gets true predecessor codes (the replacement curriculum, SPEC 2.2),
+all blocks run in one draft forward and `dspine_loss` (SPEC 2.3) is backpropagated through
+DeepSpeed, which also accumulates, clips, steps the optimizer and the warmup + cosine schedule.
+
+Everything random in a step is drawn from a generator seeded by (seed, global batch index), and
+the data position is one integer, so a resumed run repeats an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from ..objective import replacement_probability, sample_anchors
+from .checkpointing import CheckpointManager, TrainState
+from .config import TrainConfig
+from .data import Batch, BatchStream, TokenBatches, epoch_batches
+from .distributed import build_accelerator, without_zero3_init
+from .draft_builder import build_draft, load_or_build_token_table
+from .draft_step import DraftStep
+from .errors import TrainingError
+from .evaluation import AcceptanceStats, stats_from_counts
+from .export import export_draft
+from .inputs import check_inputs
+from .offline_features import CacheIdentity, OfflineFeatures
+from .plots import plot_training
+from .target import (
+    TargetFeatureExtractor,
+    TargetFeatures,
+    load_target,
+    read_embedding_and_head,
+    target_head_weights,
+)
+from .tracking import MetricsLog, read_metrics
+
+# Offsets that keep the eval anchor draws apart from the training ones.
+_EVAL_SEED_OFFSET = 1 << 40
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    output_dir: Path
+    final_export: Path
+    best_export: Path | None
+    steps: int
+    best_tau: float | None
+    world_size: int
+    is_main: bool
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    """The RNG of one global batch: same draws on any world size and after any resume."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+class Trainer:
+    """Builds everything a run needs from a `TrainConfig`, then `train()` runs it."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        # Everything that can be wrong with the inputs is checked before any process group,
+        # weights or DeepSpeed exist.
+        self.inputs = check_inputs(config)
+        self.accelerator = acc = build_accelerator(config)
+        self.is_main = acc.is_main_process
+        self.world = acc.num_processes
+        self.rank = acc.process_index
+        set_seed(config.seed)
+        with without_zero3_init(acc):
+            self._setup_model()
+        self._setup_data()
+        self._setup_optimization()
+        ckpt_root = Path(config.checkpoint.dir or self.output_dir / "checkpoints")
+        self.checkpoints = CheckpointManager(ckpt_root, config.checkpoint.keep_last, acc)
+        self.state = TrainState(total_steps=self.total_steps, world_size=self.world,
+                                grad_accum_steps=config.optim.grad_accum_steps)
+        if config.checkpoint.resume_from:
+            self._resume(config.checkpoint.resume_from)
+
+    # ------------------------------------------------------------------ setup
+    def _setup_model(self) -> None:
+        cfg, acc, inputs = self.config, self.accelerator, self.inputs
+        m = cfg.model
+        self.offline = cfg.data.offline_features_dir is not None
+        if self.offline:  # the target body is not needed: only its embedding and head
+            self.extract = None
+            embed, head = read_embedding_and_head(m.target_path)
+            embed, head = (w.to(acc.device) for w in (embed, head))
+        else:
+            target = load_target(m.target_path, m.target_dtype, acc.device, m.trust_remote_code)
+            embed, head = target_head_weights(target)
+            self.extract = TargetFeatureExtractor(target, inputs.draft_config.target_layer_ids)
+        default_table = self.output_dir / "token_table.safetensors"
+        self.token_table_path = Path(m.token_table_path or default_table)
+        table = load_or_build_token_table(
+            self.token_table_path, head, inputs.draft_config.transfer_dim, self.is_main,
+            acc.wait_for_everyone,
+        )
+        draft = build_draft(m, inputs.draft_config, table, inputs.target_config, cfg.seed)
+        self.draft_config = draft.config
+        dtype = torch.bfloat16 if cfg.precision.value == "bf16" else torch.float32
+        draft.to(device=acc.device, dtype=dtype)
+        draft.bind_target(embed.to(dtype), head.to(dtype))
+        self.step_module = DraftStep(draft, head.to(dtype), cfg.logits_chunk_size)
+
+    def _setup_data(self) -> None:
+        cfg, inputs = self.config, self.inputs
+        d = cfg.data
+        vocab = self.draft_config.vocab_size
+        self.train_batches = TokenBatches(inputs.train, d.max_length, vocab, "data.train_path")
+        self.stream = BatchStream(
+            self.train_batches.lengths, d.batch_size, cfg.seed, d.group_by_length,
+            d.length_group_size, self.rank, self.world,
+        )
+        self.eval_batches = None
+        if inputs.eval is not None:
+            self.eval_batches = TokenBatches(inputs.eval, d.max_length, vocab, "data.eval_path")
+            per_batch = cfg.eval.batch_size * cfg.eval.num_anchors
+            plan = epoch_batches(self.eval_batches.lengths, cfg.eval.batch_size, 0, cfg.seed,
+                                 True, 8)
+            self.eval_plan = plan[: max(1, math.ceil(cfg.eval.max_blocks / per_batch))]
+            chunk = max(1, cfg.logits_chunk_size // (self.draft_config.block_size - 1))
+            self.eval_chunks = math.ceil(per_batch / chunk)
+        self.train_cache = self.eval_cache = None
+        if self.offline:
+            root = Path(d.offline_features_dir)
+            layers = list(self.draft_config.target_layer_ids)
+            self.train_cache = OfflineFeatures(
+                root / d.train_split, CacheIdentity(cfg.model.target_path, layers, d.max_length,
+                                                    len(self.train_batches)))
+            if self.eval_batches is not None:
+                self.eval_cache = OfflineFeatures(
+                    root / d.eval_split, CacheIdentity(cfg.model.target_path, layers,
+                                                       d.max_length, len(self.eval_batches)))
+
+    def _setup_optimization(self) -> None:
+        cfg, acc = self.config, self.accelerator
+        o = cfg.optim
+        per_step = self.world * o.grad_accum_steps
+        if o.max_steps > 0:
+            self.total_steps = o.max_steps
+        else:
+            self.total_steps = int(o.epochs * self.stream.batches_per_epoch) // per_step
+        if self.total_steps < 1:
+            raise TrainingError(
+                f"data.train_path: {len(self.train_batches)} sequences make "
+                f"{self.stream.batches_per_epoch} batches per epoch, fewer than one optimizer "
+                f"step consumes ({self.world} processes x {o.grad_accum_steps} accumulation steps)"
+            )
+        decay, no_decay = [], []
+        for name, param in self.step_module.named_parameters():
+            if param.requires_grad:
+                (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        )
+        scheduler = get_cosine_schedule_with_warmup(
+            optimizer, math.ceil(o.warmup_ratio * self.total_steps), self.total_steps
+        )
+        self.engine, self.optimizer, self.scheduler = acc.prepare(
+            self.step_module, optimizer, scheduler
+        )
+
+    def _resume(self, resume_from: str) -> None:
+        path = self.checkpoints.resolve(resume_from)
+        if path is None:
+            if self.is_main:
+                print(f"checkpoint.resume_from=latest: no checkpoint in {self.checkpoints.root}, "
+                      "starting fresh")
+            return
+        state = self.checkpoints.load(path)
+        if state.total_steps != self.total_steps:
+            raise TrainingError(
+                f"checkpoint.resume_from: {path} belongs to a run of {state.total_steps} steps, "
+                f"this one has {self.total_steps} (the schedule would not match)"
+            )
+        state.world_size, state.grad_accum_steps = self.world, self.config.optim.grad_accum_steps
+        self.state = state
+        if self.is_main:
+            print(f"resumed from {path} at step {state.step}")
+
+    # ------------------------------------------------------------------ one micro-batch
+    def _features(self, batch: Batch, cache: OfflineFeatures | None) -> TargetFeatures:
+        if cache is None:
+            return self.extract(batch.input_ids, batch.attention_mask)
+        feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1])
+        device = self.accelerator.device
+        return TargetFeatures(feats.context.to(device), feats.final_hidden.to(device))
+
+    def _anchors(
+        self, batch: Batch, generator: torch.Generator, num_anchors: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        anchors, mask = sample_anchors(batch.loss_mask.cpu(), num_anchors,
+                                       self.draft_config.block_size, generator)
+        device = self.accelerator.device
+        return anchors.to(device), mask.to(device)
+
+    def _check_finite(self, loss: torch.Tensor, step: int, index: int) -> None:
+        """Stop every process before a non-finite loss reaches the weights."""
+        finite = torch.isfinite(loss.detach()).float().reshape(1)
+        # Deliberate host sync: all processes must agree before anyone calls backward.
+        if self.accelerator.reduce(finite, "sum").item() < self.world:
+            latest = self.checkpoints.latest()
+            raise TrainingError(
+                f"non-finite loss ({loss.item()}) at step {step + 1} on global batch {index} "
+                f"of data.train_path (lower optim.lr or check the data); the last good "
+                f"checkpoint is {latest or 'none (none was written yet)'}"
+            )
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> TrainResult:
+        """Run to `total_steps`, evaluating, checkpointing, logging; export and plot at the end."""
+        cfg, acc, state = self.config, self.accelerator, self.state
+        log = MetricsLog(
+            self.output_dir, self.is_main, cfg.logging.wandb, cfg.logging.project,
+            cfg.logging.run_name or cfg.name, _flat_config(cfg), resume_step=state.step,
+        )
+        if self.is_main:
+            print(f"training {cfg.name}: {self.total_steps} steps on {self.world} process(es), "
+                  f"ZeRO-{cfg.deepspeed.stage}, {_count(self.step_module):,} draft parameters, "
+                  f"online target: {not self.offline}")
+        bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
+                   disable=not (self.is_main and cfg.logging.progress_bar), dynamic_ncols=True)
+        stream = self.stream.iterate(state.position)
+        sums: dict[str, torch.Tensor] = {}
+        micro_count, tokens, last_log = 0, 0, time.perf_counter()
+        self.engine.train()
+        last_stats: AcceptanceStats | None = None
+        seen: list[int] = []  # global batch indices this process trained on (this session)
+        while state.step < self.total_steps:
+            p_replace = replacement_probability(state.step, self.total_steps)
+            for _ in range(cfg.optim.grad_accum_steps):
+                index, rows = next(stream)
+                seen.append(index)
+                batch = self.train_batches.collate(rows).to(acc.device)
+                feats = self._features(batch, self.train_cache)
+                gen = _generator(cfg.seed, index)
+                anchors, anchor_mask = self._anchors(batch, gen, cfg.data.num_anchors)
+                replace = (torch.rand(anchors.shape, generator=gen) < p_replace).to(acc.device)
+                with acc.accumulate(self.engine):
+                    loss, metrics = self.engine(
+                        batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
+                        anchors, anchor_mask, replace, step=state.step,
+                        total_steps=self.total_steps,
+                    )
+                    self._check_finite(loss, state.step, index)
+                    acc.backward(loss)
+                state.position += self.world
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value.detach().float()
+                micro_count += 1
+                tokens += batch.num_tokens
+            # DeepSpeed stepped the optimizer at the accumulation boundary (in backward); the
+            # schedule is the trainer's own LambdaLR, stepped once per optimizer step.
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+            self.scheduler.step()
+            state.step += 1
+            bar.update(1)
+
+            if state.step % cfg.logging.log_every == 0 or state.step == self.total_steps:
+                row = self._reduce_metrics(sums, micro_count, tokens, last_log)
+                row["lr"] = lr
+                row["replacement_p"] = p_replace
+                row["epoch"] = self.stream.epoch_of(state.position)
+                log.log(state.step, row)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                sums, micro_count, tokens, last_log = {}, 0, 0, time.perf_counter()
+
+            final = state.step == self.total_steps
+            new_best = False
+            if self.eval_batches is not None and (
+                final or (cfg.eval.every and state.step % cfg.eval.every == 0)
+            ):
+                last_stats = self.evaluate()
+                log.log(state.step, last_stats.as_metrics())
+                if state.best_tau is None or last_stats.tau > state.best_tau:
+                    state.best_tau, state.best_step, new_best = last_stats.tau, state.step, True
+                    self._export(self.output_dir / "best", last_stats)
+            periodic = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0
+            if final or periodic or (new_best and cfg.checkpoint.every):
+                self.checkpoints.save(state)
+        bar.close()
+
+        self._export(self.output_dir / "final", last_stats)
+        if self.is_main:
+            plot_training(read_metrics(log.path),
+                          last_stats.position_rates() if last_stats else None,
+                          self.output_dir / "training_curves.png")
+        log.close()
+        best = self.output_dir / "best" if state.best_step is not None else None
+        self._write_rank_report(seen)
+        return TrainResult(self.output_dir, self.output_dir / "final", best, state.step,
+                           state.best_tau, self.world, self.is_main)
+
+    def _write_rank_report(self, seen: list[int]) -> None:
+        """`ranks/rank<r>.json`: this process's share of the data and a digest of its weights.
+
+        Lets anyone check a distributed run: the processes saw disjoint batches and, under
+        ZeRO-2 (replicated parameters), hold bit-identical weights.
+        """
+        digest = None
+        if self.config.deepspeed.stage == 2:
+            sha = hashlib.sha256()
+            for name, param in sorted(self.accelerator.unwrap_model(self.engine).named_parameters()):
+                sha.update(name.encode())
+                sha.update(param.detach().float().cpu().numpy().tobytes())
+            digest = sha.hexdigest()
+        report = {"rank": self.rank, "world_size": self.world, "global_batches": seen,
+                  "parameter_sha256": digest}
+        path = self.output_dir / "ranks" / f"rank{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report))
+
+    def _reduce_metrics(
+        self, sums: dict[str, torch.Tensor], count: int, tokens: int, since: float
+    ) -> dict[str, float]:
+        """Mean of each metric over micro-batches and processes, plus global tokens/s."""
+        keys = sorted(sums)
+        packed = torch.stack([sums[k] for k in keys] + [torch.tensor(float(tokens))
+                                                           .to(self.accelerator.device)])
+        packed = self.accelerator.reduce(packed.to(self.accelerator.device), "sum").cpu()
+        row = {k: float(v) / (count * self.world) for k, v in zip(keys, packed[:-1])}
+        row["tokens_per_s"] = float(packed[-1]) / max(time.perf_counter() - since, 1e-9)
+        return row
+
+    @torch.no_grad()
+    def evaluate(self) -> AcceptanceStats:
+        """Simulated acceptance on the eval plan, every process a share (see `evaluation`)."""
+        cfg, acc = self.config, self.accelerator
+        self.engine.eval()
+        total = None
+        plan = self.eval_plan
+        for i in range(math.ceil(len(plan) / self.world)):
+            index = i * self.world + self.rank
+            real = index < len(plan)  # processes past the end repeat a batch, counted as 0
+            batch = self.eval_batches.collate(plan[index % len(plan)]).to(acc.device)
+            feats = self._features(batch, self.eval_cache)
+            gen = _generator(cfg.seed + _EVAL_SEED_OFFSET, index % len(plan))
+            anchors, anchor_mask = self._anchors(batch, gen, cfg.eval.num_anchors)
+            counts = self.engine(
+                batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask, anchors,
+                anchor_mask, evaluate=True, eval_chunks=self.eval_chunks,
+            ) * float(real)
+            total = counts if total is None else total + counts
+        total = acc.reduce(total, "sum")
+        self.engine.train()
+        return stats_from_counts(total.cpu())
+
+    def _export(self, out_dir: Path, stats: AcceptanceStats | None) -> None:
+        info = {
+            "recipe": self.config.name,
+            "step": self.state.step,
+            "target": self.config.model.target_path,
+            "data": self.config.data.train_path,
+            "tau": stats.tau if stats else None,
+            "acceptance_by_position": stats.position_rates() if stats else None,
+        }
+        export_draft(self.accelerator, self.engine, out_dir, self.token_table_path, info)
+
+
+def _count(module: torch.nn.Module) -> int:
+    # ZeRO-3 leaves each process a shard; `ds_numel` keeps the full size.
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+
+
+def _flat_config(config: TrainConfig) -> dict:
+    """The config as plain nested dicts (enums as their values), for wandb."""
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return getattr(value, "value", value)
+    return plain(asdict(config))
+
+
+def run_training(config: TrainConfig) -> TrainResult:
+    """Build a `Trainer` for `config` and train."""
+    return Trainer(config).train()

@@ -1,0 +1,181 @@
+"""Benchmark the engine: plain decoding vs DSpine speculative decoding on the same prompts.
+
+    python scripts/bench_engine.py --target TARGET_DIR --draft DRAFT_DIR --prompts prompts.txt \
+        [--max-new-tokens 128] [--batch-sizes 1 8] [--num-draft-tokens 3 7 15] \
+        [--device cuda --dtype bfloat16] [--output bench_results/engine.json]
+
+For each batch size it runs plain decoding once and speculative decoding once per number of
+verified draft tokens g (greedy), after one warm-up call each, and prints a table: tau, tokens/s,
+speedup over plain decoding, draft and verify ms per step, and whether the outputs are identical
+(they must be). Then it times the parts of one draft step: the transition-cache decode against a
+naive serial refine (SPEC 2.4 goal: <= 0.5x), and the share of the draft forward spent in the
+injection modules (goal: <= 5%). Results are also written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from dspine_train.engine.cli import add_engine_arguments, build_engine, run_batches
+from dspine_train.engine.prompts import read_prompts
+
+
+def time_call(fn, device: torch.device, repeats: int) -> float:
+    """Fastest of `repeats` timed calls of `fn()` after one warm-up, in seconds.
+
+    The minimum, not the median: on a shared machine other processes only ever add time.
+    """
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def draft_step_costs(engine, prompts: list[str], chat: bool, repeats: int) -> dict[str, float]:
+    """Time the pieces of one draft step on the first prompts' committed context."""
+    from dspine_train.modeling.transition_cache import naive_serial_walk, top_candidates
+
+    draft, device = engine.draft, engine.device
+    batch = prompts[: engine.max_batch_size]
+    engine.generate(batch, max_new_tokens=4, chat=chat)  # leaves a committed context behind
+    cache = engine.draft_cache
+    anchors = torch.zeros(len(batch), dtype=torch.long, device=device)
+    logits, pre, recv = draft.draft_forward(cache, anchors)
+
+    def table_walk():
+        return draft.walk(pre, recv, logits, anchors)
+
+    def serial_walk():
+        cand = top_candidates(logits, draft.config.candidate_k)
+        return naive_serial_walk(
+            draft.refined_scores, pre[:, 1:], recv, anchors, cand, draft.config.vocab_size
+        )
+
+    costs = {
+        "draft_forward_ms": 1e3
+        * time_call(lambda: draft.draft_forward(cache, anchors), device, repeats),
+        "transition_walk_ms": 1e3 * time_call(table_walk, device, repeats),
+        "naive_serial_refine_ms": 1e3 * time_call(serial_walk, device, repeats),
+    }
+    costs["walk_vs_serial"] = costs["transition_walk_ms"] / costs["naive_serial_refine_ms"]
+    if draft.config.injection:
+        # Same forward with the injection switched off: the difference is what injection costs.
+        draft.config.injection = False
+        try:
+            plain = 1e3 * time_call(lambda: draft.draft_forward(cache, anchors), device, repeats)
+        finally:
+            draft.config.injection = True
+        costs["draft_forward_no_injection_ms"] = plain
+        costs["injection_share"] = max(0.0, 1.0 - plain / costs["draft_forward_ms"])
+    return costs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_engine_arguments(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="values of g to compare (default: block_size - 1)",
+    )
+    parser.add_argument("--repeats", type=int, default=20, help="repeats of the step timings")
+    parser.add_argument("--output", default="bench_results/engine.json")
+    args = parser.parse_args()
+    if args.draft is None:
+        parser.error("--draft is required for the benchmark")
+
+    prompts = read_prompts(args.prompts)
+    args.batch_size = max(args.batch_sizes)
+    engine = build_engine(args)
+    chat = not args.no_chat
+    g_values = args.num_draft_tokens or [engine.block_size - 1]
+    common = dict(max_new_tokens=args.max_new_tokens, chat=chat, seed=args.seed)
+
+    rows = []
+    for batch in args.batch_sizes:
+        engine.generate_ar(prompts[:batch], max_new_tokens=8, chat=chat)  # warm-up (and capture)
+        ar_results, ar = run_batches(engine, prompts, batch, False, f"AR b={batch}", **common)
+        ar_ids = [t for r in ar_results for t in r.token_ids]
+        rows.append(
+            {
+                "mode": "autoregressive",
+                "batch": batch,
+                "g": 0,
+                **ar.to_dict(),
+                "speedup": 1.0,
+                "identical": True,
+            }
+        )
+        for g in g_values:
+            engine.generate(prompts[:batch], max_new_tokens=8, chat=chat, num_draft_tokens=g)
+            results, spec = run_batches(
+                engine, prompts, batch, True, f"spec b={batch} g={g}", num_draft_tokens=g, **common
+            )
+            ids = [t for r in results for t in r.token_ids]
+            rows.append(
+                {
+                    "mode": "speculative",
+                    "batch": batch,
+                    "g": g,
+                    **spec.to_dict(),
+                    "speedup": spec.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0,
+                    "identical": ids == ar_ids,
+                }
+            )
+
+    costs = draft_step_costs(engine, prompts, chat, args.repeats)
+
+    header = (
+        f"{'mode':<15}{'batch':>6}{'g':>4}{'tau':>7}{'tok/s':>9}{'speedup':>9}"
+        f"{'draft ms':>10}{'verify ms':>11}{'identical':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row['mode']:<15}{row['batch']:>6}{row['g']:>4}{row['tau']:>7.2f}"
+            f"{row['tokens_per_s']:>9.1f}{row['speedup']:>9.2f}{row['draft_ms_per_step']:>10.2f}"
+            f"{row['verify_ms_per_step']:>11.2f}{str(row['identical']):>11}"
+        )
+    print()
+    for name, value in costs.items():
+        print(f"{name:<32}{value:10.3f}")
+
+    report = {
+        "target": args.target,
+        "draft": args.draft,
+        "device": str(engine.device),
+        "dtype": str(engine.target.dtype),
+        "host": platform.node(),
+        "torch_threads": torch.get_num_threads(),
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "runs": rows,
+        "draft_step_costs": costs,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

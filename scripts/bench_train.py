@@ -1,0 +1,189 @@
+"""Training-step cost of DSpine's injection: draft tokens/s and peak memory, DSpine vs DFlash.
+
+Builds one random Qwen3 target and one fixed batch (target features computed once, not timed),
+then times the draft's training step - forward, the full DSpine objective and backward - for
+the same draft with `injection: true` (DSpine) and `injection: false` (plain DFlash), on the
+same batch and anchors. "Draft tokens" are block slots (sequences x anchors x block size).
+The DSpine overhead ratio is DSpine step time / DFlash step time; the goal is <= 1.10x.
+
+    python scripts/bench_train.py                      # CPU-sized default
+    python scripts/bench_train.py --hidden 1024 --layers 3 --seq 2048 --anchors 128 --device cuda
+
+Each variant runs in its own subprocess, so neither inherits the other's allocator cache.
+Peak memory: CUDA `max_memory_allocated` above the inputs on a GPU; on a CPU the peak resident
+set size above the level before the first step, sampled every millisecond. Prints a table and
+writes JSON (`--out`, default bench_results/train.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dspine_train import DSpineConfig, DSpineDraftModel
+from dspine_train.objective import sample_anchors
+from dspine_train.token_table import build_token_table
+from dspine_train.training.draft_step import DraftStep
+from dspine_train.training.target import TargetFeatureExtractor, target_head_weights
+
+GOAL = 1.10
+VARIANTS = {"dflash": False, "dspine": True}  # name -> injection
+
+
+def _rss() -> int:
+    """Current resident set size in bytes (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class _RssPeak:
+    """Highest RSS above the starting level while the block runs (a 1 ms sampling thread)."""
+
+    def __enter__(self) -> _RssPeak:
+        self.start, self.peak, self._stop = _rss(), 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss() - self.start)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss() - self.start)
+
+
+def _build(args: argparse.Namespace, device: torch.device):
+    torch.manual_seed(0)
+    heads = max(1, args.hidden // 64)
+    target = Qwen3ForCausalLM(Qwen3Config(
+        hidden_size=args.hidden, num_hidden_layers=args.target_layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), head_dim=64, intermediate_size=3 * args.hidden,
+        vocab_size=args.vocab, max_position_embeddings=args.seq + 64,
+    )).eval().to(device)
+    target.requires_grad_(False)
+    embed, head = target_head_weights(target)
+    table = build_token_table(head.float().cpu(), args.transfer_dim)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, args.vocab - 1, (args.batch, args.seq), generator=gen)
+    loss_mask = torch.ones_like(input_ids)
+    loss_mask[:, : args.seq // 8] = 0  # a prompt
+    anchors, anchor_mask = sample_anchors(loss_mask, args.anchors, args.block, gen)
+    layer_ids = [1 + i * (args.target_layers - 3) // max(1, args.layers - 1)
+                 for i in range(args.layers)]
+    extract = TargetFeatureExtractor(target, layer_ids)
+    input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
+    feats = extract(input_ids, torch.ones_like(input_ids))
+    batch = (input_ids, feats.context, feats.final_hidden, loss_mask, anchors.to(device),
+             anchor_mask.to(device))
+    return target, embed, head, table, layer_ids, batch
+
+
+def _measure(args, device, target, embed, head, table, layer_ids, batch, injection: bool) -> dict:
+    torch.manual_seed(0)
+    config = DSpineConfig.from_target(
+        target.config, used_vocab_size=args.vocab - 1, num_layers=args.layers,
+        block_size=args.block, target_layer_ids=layer_ids, transfer_dim=args.transfer_dim,
+        message_size=args.message_size, candidate_k=args.candidate_k, injection=injection,
+    )
+    draft = DSpineDraftModel(config).to(device)
+    draft.init_token_table(table)
+    draft.bind_target(embed, head)
+    step = DraftStep(draft, head)
+    # the replacement curriculum at its start: half the blocks hear the true predecessor
+    replace = torch.rand(batch[4].shape, generator=torch.Generator().manual_seed(1)) < 0.5
+    replace = replace.to(device)
+
+    def one_step() -> None:
+        loss, _ = step(*batch, replace, step=10, total_steps=100)
+        loss.backward()
+        draft.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with _RssPeak() as rss:
+        for _ in range(args.warmup):
+            one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / args.iters
+    peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else rss.peak
+    slots = batch[0].shape[0] * batch[4].shape[1] * args.block
+    return {"step_ms": seconds * 1e3, "draft_tokens_per_s": slots / seconds,
+            "peak_memory_mib": peak / 2**20,
+            "parameters": sum(p.numel() for p in draft.parameters())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--target-layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2, help="draft layers")
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--anchors", type=int, default=32)
+    parser.add_argument("--transfer-dim", type=int, default=128)
+    parser.add_argument("--message-size", type=int, default=64)
+    parser.add_argument("--candidate-k", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="bench_results/train.json")
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # worker mode
+    args = parser.parse_args()
+    device = torch.device(args.device)
+
+    if args.variant:  # worker: measure one variant, print its JSON on the last line
+        built = _build(args, device)
+        print(json.dumps(_measure(args, device, *built, injection=VARIANTS[args.variant])))
+        return
+    results = {}
+    for name in VARIANTS:
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", name]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            sys.exit(f"{name} worker failed:\n{proc.stderr[-3000:]}")
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    ratio = results["dspine"]["step_ms"] / results["dflash"]["step_ms"]
+    print(f"training step, {args.batch} x {args.seq} tokens, {args.anchors} anchors x block "
+          f"{args.block}, H={args.hidden}, V={args.vocab}, {args.layers} draft layers, "
+          f"{args.device}")
+    print(f"{'variant':<8} {'step ms':>9} {'draft tok/s':>12} {'peak MiB':>9} {'params':>10}")
+    for name, r in results.items():
+        print(f"{name:<8} {r['step_ms']:>9.1f} {r['draft_tokens_per_s']:>12,.0f} "
+              f"{r['peak_memory_mib']:>9.1f} {r['parameters']:>10,}")
+    verdict = "meets" if ratio <= GOAL else "misses"
+    print(f"DSpine overhead: {ratio:.3f}x step time ({verdict} the <= {GOAL:.2f}x goal)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": vars(args), "results": results,
+                               "overhead_ratio": ratio, "goal": GOAL,
+                               "machine": platform.platform(),
+                               "torch_threads": torch.get_num_threads()}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Shared builders for the engine tests: tiny random targets, a tokenizer, stand-in drafts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+
+
+def tiny_hf_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    """A tiny random config of `family` ("qwen3", "qwen2" or "llama")."""
+    fields = {**TINY, **overrides}
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **fields)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**fields)
+    if family == "llama":
+        fields.setdefault("attention_bias", True)
+        fields.setdefault("mlp_bias", True)
+        return transformers.LlamaConfig(head_dim=16, **fields)
+    raise ValueError(family)
+
+
+def build_tiny_target(
+    path: Path, family: str = "qwen3", seed: int = 0, head_scale: float = 1.0, **overrides
+) -> transformers.PreTrainedModel:
+    """Save a tiny random HF causal LM (fp32, eval) to `path` and return it.
+
+    `head_scale` multiplies the lm_head so the next-token distribution is peaked rather than
+    near-uniform (random tiny models are almost uniform otherwise).
+    """
+    torch.manual_seed(seed)
+    config = tiny_hf_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        # Random init of biases is zero; give them values so the parity tests see them.
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+        if not config.tie_word_embeddings:
+            model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(path)
+    return model
+
+
+def build_tokenizer(path: Path, vocab_size: int = 200) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over `w0 .. w{n}` plus `<eos>`, saved to `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, "<unk>": 1}
+    vocab.update({f"w{i}": i + 2 for i in range(vocab_size - 2)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>"
+    )
+    fast.save_pretrained(path)
+    return fast
+
+
+@dataclass
+class StandInConfig:
+    """The draft-config fields the engine reads."""
+
+    block_size: int
+    target_layer_ids: list[int]
+    vocab_size: int
+    hidden_size: int
+
+
+@dataclass
+class StandInProposal:
+    tokens: torch.Tensor
+    q: torch.Tensor | None
+
+
+class RecordingContext(torch.nn.Module):
+    """`DSpineDraftModel`'s context-cache interface, keeping the raw features it is given.
+
+    Tests read `cache["features"]` to check exactly what the engine committed to the draft.
+    """
+
+    def __init__(self, config: StandInConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Nothing to bind: proposals do not use the target's weights."""
+
+    def new_context_cache(self, batch_size, max_length, *, device=None, dtype=None) -> dict:
+        width = self.config.hidden_size * len(self.config.target_layer_ids)
+        return {
+            "features": torch.zeros(batch_size, max_length, width, device=device, dtype=dtype),
+            "lengths": torch.zeros(batch_size, dtype=torch.long, device=device),
+        }
+
+    def append_context(self, cache: dict, features: torch.Tensor, counts: torch.Tensor) -> None:
+        for b in range(features.shape[0]):
+            start, n = int(cache["lengths"][b]), int(counts[b])
+            cache["features"][b, start : start + n] = features[b, :n]
+        cache["lengths"][: counts.shape[0]] += counts
+
+    def crop_context(self, cache: dict, lengths: torch.Tensor) -> None:
+        cache["lengths"][: lengths.shape[0]] = torch.minimum(cache["lengths"], lengths)
+
+
+def hf_features(model: transformers.PreTrainedModel, ids: list[int], layer_ids: list[int]):
+    """HF logits `(T, V)` and concatenated `hidden_states[l + 1]` features `(T, n*H)`."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+    return out.logits[0], feats
+
+
+def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], max_new_tokens: int, eos=None):
+    """Transformers' own greedy `generate`, new tokens only."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+class OracleDraft(RecordingContext):
+    """Proposes the known greedy continuation with some tokens corrupted.
+
+    `continuations[b]` is the full greedy sequence (prompt + output) of batch row `b`; the
+    draft reads the anchor position from its context length, so every acceptance pattern
+    (none, some, all) occurs when the engine commits exactly what greedy decoding commits.
+    """
+
+    def __init__(self, config: StandInConfig, continuations: list[list[int]], corrupt: float):
+        super().__init__(config)
+        self.continuations = continuations
+        self.corrupt = corrupt
+        self.gen = torch.Generator().manual_seed(1)
+
+    def propose(self, cache, anchor_ids, temperature=0.0, generator=None) -> StandInProposal:
+        width = self.config.block_size - 1
+        rows = []
+        for b in range(anchor_ids.shape[0]):
+            start = int(cache["lengths"][b]) + 1
+            seq = self.continuations[b]
+            row = seq[start : start + width]
+            row = row + [3] * (width - len(row))
+            flip = torch.rand(width, generator=self.gen) < self.corrupt
+            rows.append([(t + 1) % self.config.vocab_size if f else t for t, f in zip(row, flip)])
+        return StandInProposal(tokens=torch.tensor(rows), q=None)
+
+
+def tiny_draft(hf_model, used_vocab_size: int, seed: int = 0, **overrides):
+    """An untrained `DSpineDraftModel` for `hf_model` (2 layers, block 8, small transfer space)."""
+    from dspine_train.modeling import DSpineConfig, DSpineDraftModel
+
+    fields = dict(num_layers=2, block_size=8, transfer_dim=16, message_size=16, candidate_k=4)
+    fields.update(overrides)
+    config = DSpineConfig.from_target(hf_model.config, used_vocab_size=used_vocab_size, **fields)
+    torch.manual_seed(seed)
+    return DSpineDraftModel(config).eval()
+
+
+def train_draft_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr: float = 3e-3):
+    """A few optimizer steps of the DSpine objective on target sequences `(B, S)`.
+
+    Enough to lift acceptance above an untrained draft's, which is all the lossless tests need
+    from a "trained" draft (the trainer itself is tested elsewhere).
+    """
+    from dspine_train.objective import dspine_loss, sample_anchors
+    from dspine_train.token_table import build_token_table
+
+    cfg = draft.config
+    table = build_token_table(hf_model.lm_head.weight.detach().float(), cfg.transfer_dim)
+    draft.init_token_table(table)
+    draft.bind_target(hf_model.model.embed_tokens.weight.detach(), hf_model.lm_head.weight.detach())
+    with torch.no_grad():
+        out = hf_model(sequences, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in cfg.target_layer_ids], dim=-1)
+    final = out.hidden_states[-1]
+    mask = torch.ones_like(sequences)
+    gen = torch.Generator().manual_seed(0)
+    optim = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    draft.train()
+    for step in range(steps):
+        anchors, anchor_mask = sample_anchors(mask, 16, cfg.block_size, gen)
+        train_out = draft(sequences, feats, anchors, anchor_mask)
+        loss, _ = dspine_loss(draft, train_out, final, mask, anchors, anchor_mask, step, steps)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return draft.eval()

@@ -1,0 +1,117 @@
+"""The engine's command line and benchmark script on a tiny target and draft."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _engine_helpers import build_tiny_target, build_tokenizer, tiny_draft
+
+from dspine_train.engine.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    hf = build_tiny_target(root / "target", "qwen3", num_hidden_layers=6, eos_token_id=None)
+    build_tokenizer(root / "target", vocab_size=200)
+    tiny_draft(hf, 200).save_pretrained(root / "draft")
+    (root / "prompts.jsonl").write_text('{"prompt": "w1 w2 w3"}\n"w4 w5"\n{"prompt": "w9"}\n')
+    return root
+
+
+def test_cli_generates_and_writes_json(files, capsys):
+    out = files / "out.json"
+    argv = [
+        "--target",
+        str(files / "target"),
+        "--draft",
+        str(files / "draft"),
+        "--prompts",
+        str(files / "prompts.jsonl"),
+        "--no-chat",
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "2",
+        "--max-seq-len",
+        "32",
+        "--output",
+        str(out),
+    ]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [r["prompt"] for r in report["results"]] == ["w1 w2 w3", "w4 w5", "w9"]
+    assert report["stats"]["mode"] == "speculative" and report["stats"]["num_sequences"] == 3
+    assert "tok/s" in capsys.readouterr().out
+    # Plain decoding of the same prompts gives the same tokens.
+    assert main(argv[:-2] + ["--ar", "--output", str(files / "ar.json")]) == 0
+    ar = json.loads((files / "ar.json").read_text())
+    assert [r["token_ids"] for r in ar["results"]] == [r["token_ids"] for r in report["results"]]
+
+
+def test_cli_exits_non_zero_with_a_clear_message(files, capsys):
+    argv = [
+        "--target",
+        str(files / "target"),
+        "--draft",
+        str(files / "missing"),
+        "--prompts",
+        str(files / "prompts.jsonl"),
+        "--no-chat",
+    ]
+    assert main(argv) == 2
+    assert "no config.json" in capsys.readouterr().err
+    (files / "bad.jsonl").write_text('{"text": "w1"}\n')
+    argv[5] = str(files / "bad.jsonl")
+    argv[3] = str(files / "draft")
+    assert main(argv) == 2
+    assert "bad.jsonl:1: no string field 'prompt'" in capsys.readouterr().err
+
+
+def test_bench_script_prints_table_and_writes_json(files):
+    out = files / "bench.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "bench_engine.py"),
+        "--target",
+        str(files / "target"),
+        "--draft",
+        str(files / "draft"),
+        "--prompts",
+        str(files / "prompts.jsonl"),
+        "--no-chat",
+        "--max-new-tokens",
+        "4",
+        "--num-draft-tokens",
+        "2",
+        "7",
+        "--max-seq-len",
+        "32",
+        "--repeats",
+        "2",
+        "--output",
+        str(out),
+    ]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert "speedup" in done.stdout and "walk_vs_serial" in done.stdout
+    report = json.loads(out.read_text())
+    assert [(r["mode"], r["g"]) for r in report["runs"]] == [
+        ("autoregressive", 0),
+        ("speculative", 2),
+        ("speculative", 7),
+    ]
+    assert all(r["identical"] for r in report["runs"])
+    assert 0.0 <= report["draft_step_costs"]["injection_share"] < 1.0

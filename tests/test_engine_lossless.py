@@ -1,0 +1,253 @@
+"""Speculative output is the target's own: token-identical when greedy, same law when sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _engine_helpers import (
+    OracleDraft,
+    StandInConfig,
+    build_tiny_target,
+    build_tokenizer,
+    hf_features,
+    hf_greedy,
+    tiny_draft,
+    train_draft_briefly,
+)
+from scipy.stats import chisquare
+
+from dspine_train.engine import Engine, load_target
+
+NEW = 24  # new tokens per prompt in the greedy tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny matmuls on a shared 2-core machine: extra BLAS threads only contend.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny Qwen3 target (6 layers) with tokenizer, prompts, HF greedy outputs, two drafts."""
+    root = tmp_path_factory.mktemp("lossless")
+    hf = build_tiny_target(
+        root / "target", "qwen3", head_scale=4.0, num_hidden_layers=6, eos_token_id=None
+    )
+    build_tokenizer(root / "target", vocab_size=200)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 11, (12,), generator=gen).tolist()
+    prompts = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in lengths]
+    reference = [hf_greedy(hf, p, NEW) for p in prompts]
+
+    tiny_draft(hf, 200).save_pretrained(root / "untrained")
+    # Overfit briefly on the target's own continuations of the first prompts, so the real draft
+    # gets many tokens accepted (every acceptance pattern occurs).
+    sequences = torch.tensor([p + hf_greedy(hf, p, 40 - len(p)) for p in prompts[:8]])
+    trained = train_draft_briefly(tiny_draft(hf, 200), hf, sequences, steps=80, lr=1e-2)
+    trained.save_pretrained(root / "trained")
+    return {"root": root, "hf": hf, "prompts": prompts, "reference": reference}
+
+
+def _engine(world, draft: str, **kwargs) -> Engine:
+    root = world["root"]
+    kwargs.setdefault("max_batch_size", 4)
+    return Engine.from_pretrained(
+        root / "target", root / draft, max_seq_len=96, eos_token_ids=[], **kwargs
+    )
+
+
+def _batched(engine: Engine, prompts, method: str, **kwargs):
+    out, stats = [], []
+    for i in range(0, len(prompts), 4):
+        result = getattr(engine, method)(
+            prompts[i : i + 4], max_new_tokens=NEW, chat=False, **kwargs
+        )
+        out += result.token_ids
+        stats.append(result.stats)
+    return out, stats
+
+
+@pytest.mark.parametrize("draft", ["untrained", "trained"])
+def test_greedy_speculative_equals_ar_and_transformers(world, draft):
+    engine = _engine(world, draft)
+    spec, stats = _batched(engine, world["prompts"], "generate")
+    ar, _ = _batched(engine, world["prompts"], "generate_ar")
+    assert ar == world["reference"]
+    assert spec == world["reference"]
+    tau = sum(s.committed for s in stats) / sum(s.verifications for s in stats)
+    if draft == "trained":
+        assert tau > 1.5  # the comparison above really exercised multi-token acceptance
+
+
+def test_batch_equals_one_by_one(world):
+    engine = _engine(world, "trained")
+    batch = engine.generate(world["prompts"][:4], max_new_tokens=NEW, chat=False)
+    for prompt, tokens in zip(world["prompts"][:4], batch.token_ids):
+        alone = engine.generate([prompt], max_new_tokens=NEW, chat=False)
+        assert alone.token_ids == [tokens]
+        assert alone.finish_reasons == ["length"] and len(tokens) == NEW
+
+
+@pytest.mark.parametrize("num_draft", [1, 3])
+def test_fewer_verified_tokens_is_still_lossless(world, num_draft):
+    engine = _engine(world, "trained")
+    spec, stats = _batched(engine, world["prompts"][:8], "generate", num_draft_tokens=num_draft)
+    assert spec == world["reference"][:8]
+    assert all(len(s.per_position_acceptance) == num_draft for s in stats)
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.3])
+def test_every_acceptance_pattern_commits_the_right_tokens(world, corrupt):
+    """An oracle proposer (true continuation, some tokens corrupted): none/some/all accepted."""
+    prompts = world["prompts"][:4]
+    full = [p + r for p, r in zip(prompts, world["reference"][:4])]
+    config = StandInConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256, hidden_size=64)
+    target = load_target(world["root"] / "target")
+    engine = Engine(
+        target, OracleDraft(config, full, corrupt), None, max_batch_size=4, max_seq_len=96
+    )
+    result = engine.generate(prompts, max_new_tokens=NEW)
+    assert result.token_ids == world["reference"][:4]
+    if corrupt == 0.0:
+        assert result.stats.tau == 8.0  # every block fully accepted plus the bonus
+    else:
+        assert 1.0 < result.stats.tau < 8.0
+    acceptance = result.stats.per_position_acceptance
+    assert result.stats.tau == pytest.approx(1 + sum(acceptance))
+
+
+def test_eos_inside_a_block_stops_exactly_there(world):
+    hf, prompts, reference = world["hf"], world["prompts"][:4], world["reference"][:4]
+    eos = reference[0][9]  # a token the first sequence emits mid-way (maybe earlier too)
+    expected = [hf_greedy(hf, p, NEW, eos=eos) for p in prompts]
+    engine = Engine.from_pretrained(
+        world["root"] / "target",
+        world["root"] / "trained",
+        max_batch_size=4,
+        max_seq_len=96,
+        eos_token_ids=[eos],
+    )
+    result = engine.generate(prompts, max_new_tokens=NEW, chat=False)
+    assert result.token_ids == expected
+    assert result.token_ids[0][-1] == eos and result.finish_reasons[0] == "eos"
+    assert result.stats.tau > 1.0
+
+
+def test_stop_string_ends_the_sequence_at_its_token(world):
+    engine = _engine(world, "trained")
+    prompt, reference = world["prompts"][1], world["reference"][1]
+    text = engine.tokenizer.decode(prompt)
+    stop = engine.tokenizer.decode(reference[6:8])  # two words: the stop spans a token boundary
+    cut = next(k for k in range(1, NEW + 1) if stop in engine.tokenizer.decode(reference[:k]))
+    result = engine.generate(text, max_new_tokens=NEW, chat=False, stop=[stop])
+    assert result.token_ids == [reference[:cut]]
+    assert result.finish_reasons == ["stop"] and stop in result.texts[0]
+
+
+def _exact_marginals(hf, prompt: list[int], vocab: int, steps: int) -> list[torch.Tensor]:
+    """Exact marginal distributions of the first `steps` sampled tokens (temperature 1)."""
+    with torch.no_grad():
+        prefixes = torch.tensor([prompt])
+        weights = torch.ones(1, dtype=torch.float64)
+        marginals = []
+        for _ in range(steps):
+            probs = torch.softmax(hf(prefixes).logits[:, -1].double(), dim=-1)  # (N, V)
+            joint = weights[:, None] * probs  # (N, V): P(prefix, next)
+            marginals.append(joint.sum(0))
+            # Every prefix extended by every token: (N, V) -> (N * V) prefixes.
+            prefixes = torch.cat(
+                [
+                    prefixes.repeat_interleave(vocab, 0),
+                    torch.arange(vocab).repeat(prefixes.shape[0])[:, None],
+                ],
+                dim=1,
+            )
+            weights = joint.reshape(-1)
+        return marginals
+
+
+def _chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.shape[0]).double()
+    expected = probs * samples.numel()
+    big = expected >= 5  # pool the rare tokens into one bin
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    return float(chisquare(observed[keep], expected[keep]).pvalue)
+
+
+def test_sampling_matches_the_target_distribution(tmp_path):
+    """First three sampled tokens over many seeded rows vs the target's exact marginals."""
+    vocab, prompt, rows = 32, [3, 17, 8, 25], 600
+    hf = build_tiny_target(
+        tmp_path / "target",
+        "qwen3",
+        head_scale=6.0,
+        vocab_size=vocab,
+        num_hidden_layers=6,
+        eos_token_id=None,
+    )
+    tiny_draft(hf, 30, transfer_dim=8, message_size=8).save_pretrained(tmp_path / "draft")
+    exact = _exact_marginals(hf, prompt, vocab, steps=3)
+    engine = Engine.from_pretrained(
+        tmp_path / "target",
+        tmp_path / "draft",
+        max_batch_size=rows,
+        max_seq_len=16,
+        eos_token_ids=[],
+    )
+    for method in ("generate", "generate_ar"):
+        samples = []
+        for seed in range(4):
+            result = getattr(engine, method)(
+                [prompt] * rows, max_new_tokens=3, temperature=1.0, seed=seed
+            )
+            samples.append(torch.tensor(result.token_ids))
+        tokens = torch.cat(samples)  # (4 * rows, 3)
+        for position in range(3):
+            pvalue = _chi_square_pvalue(tokens[:, position], exact[position])
+            assert pvalue > 1e-3, (method, position, pvalue)
+        if method == "generate":
+            # Some drafts were accepted and some rejected: both branches shaped the samples.
+            assert 1.0 < result.stats.tau < 3.0
+
+
+def test_draft_context_holds_the_target_features_of_every_committed_position(world):
+    """The draft sees exactly the target's features of the committed prefix, none of rejects."""
+    prompts = world["prompts"][:4]
+    full = [p + r for p, r in zip(prompts, world["reference"][:4])]
+    config = StandInConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256, hidden_size=64)
+    engine = Engine(
+        load_target(world["root"] / "target"),
+        OracleDraft(config, full, corrupt=0.3),
+        None,
+        max_batch_size=4,
+        max_seq_len=96,
+    )
+    result = engine.generate(prompts, max_new_tokens=NEW)
+    features = engine.draft_cache["features"]
+    for b, (prompt, new) in enumerate(zip(prompts, result.token_ids)):
+        # Every committed position but the last token (it has not been through the target).
+        length = len(prompt) + len(new) - 1
+        _, expected = hf_features(world["hf"], (prompt + new)[:length], [1, 3])
+        torch.testing.assert_close(features[b, :length], expected, atol=2e-5, rtol=1e-4)
+
+
+def test_sampling_is_reproducible_with_a_seed(world):
+    engine = _engine(world, "trained")
+    runs = [
+        engine.generate(
+            world["prompts"][:4],
+            max_new_tokens=12,
+            temperature=0.8,
+            top_p=0.9,
+            chat=False,
+            seed=seed,
+        ).token_ids
+        for seed in (5, 5, 6)
+    ]
+    assert runs[0] == runs[1] and runs[0] != runs[2]

@@ -1,0 +1,242 @@
+"""The per-GPU memory plan (`dspine_train.training.memory_plan`): parameter counts checked against
+instantiated modules, byte counts against hand-computed products, ZeRO scaling and the verdict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+from dspine_train.training.memory_plan import (
+    GIB,
+    LOGIT_BUFFERS_PER_CHUNK,
+    _dense_decoder_parameters,
+    draft_parameter_counts,
+    estimate_memory,
+    target_parameter_count,
+)
+
+# H=64, q=4*16=64, kv=2*16=32, I=128, V=512, L=4.
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+)
+N, R, M = 2, 16, 8  # draft layers, transfer_dim, message_size
+
+
+def tiny_config(**overrides) -> Qwen3Config:
+    return Qwen3Config(**{**TINY, **overrides})
+
+
+def plan(**overrides):
+    kwargs = dict(
+        target_config=tiny_config(),
+        draft_num_layers=N,
+        block_size=4,
+        num_anchors=4,
+        max_length=32,
+        micro_batch_size=2,
+        transfer_dim=R,
+        message_size=M,
+        candidate_k=4,
+        zero_stage=2,
+        world_size=2,
+        logits_chunk_size=8,
+    )
+    kwargs.update(overrides)
+    return estimate_memory(**kwargs)
+
+
+class DraftLikeStack(nn.Module):
+    """The draft's trainable modules built from the same dims, independently of the formula."""
+
+    def __init__(self, config: Qwen3Config, num_layers: int, num_context: int, r: int, m: int):
+        super().__init__()
+        h = config.hidden_size
+        self.fc = nn.Linear(num_context * h, h, bias=False)
+        self.hidden_norm = nn.RMSNorm(h)
+        # transformers' own Qwen3 layer: q/k/v/o (GQA), q/k norms, SwiGLU, two RMSNorms.
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(num_layers))
+        self.norm = nn.RMSNorm(h)
+        self.readouts = nn.ModuleList(nn.Linear(h, r, bias=False) for _ in range(num_layers))
+        self.message = nn.Linear(r, m, bias=False)
+        self.gate_recv = nn.Linear(r, m, bias=True)
+        self.gate_pred = nn.Linear(r, m, bias=False)
+        self.writes = nn.ModuleList(nn.Linear(m, h, bias=False) for _ in range(num_layers))
+
+
+@pytest.mark.parametrize("num_context", [N, 3])
+def test_draft_parameter_count_matches_instantiated_modules(num_context):
+    config = tiny_config()
+    counts = draft_parameter_counts(
+        config, draft_num_layers=N, transfer_dim=R, message_size=M, num_context_layers=num_context
+    )
+    stack = DraftLikeStack(config, N, num_context, R, M)
+    assert sum(counts.values()) == sum(p.numel() for p in stack.parameters())
+    assert counts["layers"] == sum(p.numel() for p in stack.layers.parameters())
+
+
+def test_draft_attention_bias_adds_projection_biases():
+    without = draft_parameter_counts(
+        tiny_config(), draft_num_layers=N, transfer_dim=R, message_size=M
+    )
+    with_bias = draft_parameter_counts(
+        tiny_config(), draft_num_layers=N, transfer_dim=R, message_size=M, attention_bias=True
+    )
+    # q (64) + k, v (32 each) + o (64) biases per layer
+    assert with_bias["layers"] - without["layers"] == N * (64 + 2 * 32 + 64)
+
+
+def test_draft_parameter_count_by_hand():
+    counts = draft_parameter_counts(
+        tiny_config(), draft_num_layers=N, transfer_dim=R, message_size=M
+    )
+    per_layer = (64 * 64 + 2 * 64 * 32 + 64 * 64) + 2 * 16 + 3 * 64 * 128 + 2 * 64  # 37024
+    assert counts == {
+        "fc": 2 * 64 * 64,
+        "hidden_norm": 64,
+        "layers": 2 * per_layer,
+        "final_norm": 64,
+        "injection": 2 * 64 * 16 + 16 * 8 + (16 * 8 + 8) + 16 * 8 + 2 * 8 * 64,  # 3464
+    }
+    assert sum(counts.values()) == 85832
+
+
+def test_draft_parameter_count_matches_dspine_draft_model():
+    modeling = pytest.importorskip("dspine_train.modeling")
+    target = tiny_config()
+    config = modeling.DSpineConfig.from_target(
+        target, used_vocab_size=500, num_layers=N, transfer_dim=R, message_size=M
+    )
+    torch.manual_seed(0)
+    draft = modeling.DSpineDraftModel(config)
+    counts = draft_parameter_counts(
+        target,
+        draft_num_layers=N,
+        transfer_dim=R,
+        message_size=M,
+        num_context_layers=config.num_context_layers,
+    )
+    assert sum(counts.values()) == sum(p.numel() for p in draft.parameters())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_target_parameter_count_matches_real_model(tied):
+    config = tiny_config(tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    real = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+    assert target_parameter_count(config) == real
+    # The fallback formula for configs transformers cannot build agrees on this architecture.
+    assert _dense_decoder_parameters(config) == real
+    assert real == (213696 if not tied else 213696 - 512 * 64)
+
+
+def test_items_match_hand_computed_bytes():
+    result = plan()  # b=2, S=32, A=4, B=4, W=2, c=8, K=4, bf16
+    p_draft, p_target = 85832, 213696
+    expected = {
+        "frozen target weights": p_target * 2,
+        "draft parameters": p_draft * 2,
+        "draft gradients": p_draft * 2 // 2,
+        "optimizer states (master + Adam m, v)": p_draft * 12 // 2,
+        "token codes buffer": 512 * 16 * 2,
+        # 2H + 2q + 2kv + 3I = 128 + 128 + 64 + 384 = 704 per position
+        "target forward working set (no grad)": 2 * 32 * 704 * 2,
+        "context features": 2 * 32 * 2 * 64 * 2,
+        "target final hidden": 2 * 32 * 64 * 2,
+        # 2H + N * 3kv = 128 + 2 * 96 = 320 per position
+        "draft context path": 2 * 32 * 320 * 2,
+        # per slot per layer: 4H + 3q + 3kv + 4I = 1056, injection 4r + 4m + 2H = 224
+        "draft block activations": (2 * 4 * 4) * 2 * (1056 + 224) * 2,
+        "loss chunk (logits + refinement rows)": 8
+        * (LOGIT_BUFFERS_PER_CHUNK * 512 * 4 + 4 * 64 * 2),
+    }
+    assert {item.name: item.bytes for item in result.items} == expected
+    assert result.total_bytes == sum(expected.values())
+    assert result.draft_parameters == p_draft and result.target_parameters == p_target
+    assert result.tokens_per_step == 2 * 32 * 2
+
+
+def test_zero3_uses_less_memory_than_zero2():
+    five_layers = dict(draft_num_layers=5, world_size=8)
+    zero2, zero3 = plan(zero_stage=2, **five_layers), plan(zero_stage=3, **five_layers)
+    assert zero3.total_bytes < zero2.total_bytes
+    assert zero3.item("draft parameters").bytes * 8 == zero2.item("draft parameters").bytes
+    assert zero3.item("ZeRO-3 gathered modules").bytes == 2 * 37024 * 2  # two decoder layers
+
+
+@pytest.mark.parametrize(
+    "stage, partitioned",
+    [
+        (2, {"draft gradients", "optimizer states (master + Adam m, v)"}),
+        (3, {"draft parameters", "draft gradients", "optimizer states (master + Adam m, v)"}),
+    ],
+)
+def test_doubling_world_size_halves_partitioned_items(stage, partitioned):
+    # 4 draft layers on 8 GPUs: every partitioned size divides exactly.
+    small = plan(zero_stage=stage, world_size=4, draft_num_layers=4)
+    large = plan(zero_stage=stage, world_size=8, draft_num_layers=4)
+    assert {item.name for item in small.items if item.partitioned} == partitioned
+    for before, after in zip(small.items, large.items, strict=True):
+        if before.partitioned:
+            assert after.bytes * 2 == before.bytes, before.name
+        else:
+            assert after.bytes == before.bytes, before.name
+
+
+def test_fits_verdict_flips_at_required_gpu_size():
+    result = plan(headroom_fraction=0.1)
+    needed = result.total_bytes / GIB / 0.9
+    assert result.required_gpu_gib == pytest.approx(needed)
+    assert result.fits(needed * 1.001)
+    assert not result.fits(needed * 0.999)
+    assert "DOES NOT FIT" in result.table(gpu_gib=needed * 0.999)
+    assert "FITS on" in result.table(gpu_gib=needed * 1.001)
+    with pytest.raises(ValueError, match="gpu_gib"):
+        result.fits()
+    assert plan(gpu_memory_gib=needed * 1.001).fits()
+
+
+def test_offline_features_and_checkpointing_shrink_the_plan():
+    base = plan()
+    offline = plan(offline_features=True)
+    names = {item.name for item in offline.items}
+    assert "target forward working set (no grad)" not in names
+    assert offline.item("frozen target embedding + lm_head").bytes == 2 * 512 * 64 * 2
+    checkpointed = plan(activation_checkpointing=True)
+    # N layer inputs (H each) plus one layer recomputed: 32 slots * (2*64 + 1280) * 2 bytes
+    assert checkpointed.item("draft block activations").bytes == 32 * (2 * 64 + 1280) * 2
+    assert checkpointed.total_bytes < base.total_bytes
+    fp32 = plan(param_dtype="fp32")
+    assert fp32.item("optimizer states (master + Adam m, v)").bytes == 85832 * 8 // 2
+
+
+def test_table_lists_every_item_total_and_need():
+    result = plan()
+    text = result.table()
+    for item in result.items:
+        assert item.name in text
+    assert f"{result.total_gib:.2f}" in text.splitlines()[-2]
+    assert "needs a GPU of at least" in text
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"zero_stage": 1}, "zero_stage"),
+        ({"world_size": 0}, "world_size"),
+        ({"param_dtype": "int8"}, "param_dtype"),
+        ({"num_anchors": 0}, "num_anchors"),
+        ({"headroom_fraction": 1.0}, "headroom_fraction"),
+    ],
+)
+def test_bad_arguments_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        plan(**overrides)

@@ -1,0 +1,279 @@
+"""`scripts/push_to_hub.py` and `dspine_train.hub` with the Hub client replaced by a local fake."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from huggingface_hub import ModelCard
+from safetensors.numpy import save_file
+
+from dspine_train import hub
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "push_to_hub.py"
+TOKEN = "hf_SECRETtokenValue1234567890"
+
+_spec = importlib.util.spec_from_file_location("push_to_hub_script", SCRIPT)
+push_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(push_script)
+
+
+def make_export(root: Path, **config_overrides) -> Path:
+    """A small export: config.json (model_type dspine, target fields) + model.safetensors."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "dspine",
+        "architectures": ["DSpineDraftModel"],
+        "target_name_or_path": "Qwen/Qwen3-8B",
+        "target_model_type": "qwen3",
+        "num_layers": 2,
+        "target_layer_ids": [1, 2],
+        "block_size": 4,
+        "block_attention": "causal",
+        "injection": True,
+        "transfer_dim": 16,
+        "message_size": 8,
+        "candidate_k": 4,
+        "transition_cache": True,
+        **config_overrides,
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    save_file(
+        {
+            "fc.weight": rng.standard_normal((64, 128)).astype(np.float32),
+            "norm.weight": np.ones(64, dtype=np.float32),
+        },
+        str(root / "model.safetensors"),
+    )
+    (root / "token_table.safetensors").write_bytes(b"\0" * 10)
+    return root
+
+
+class FakeHfApi:
+    """Records every call; no network."""
+
+    instances: list[FakeHfApi] = []
+
+    def __init__(self, token=None, fail_with: str | None = None):
+        self.token = token
+        self.calls: list[tuple[str, dict]] = []
+        self.fail_with = fail_with
+        self.uploaded_card: str | None = None
+        FakeHfApi.instances.append(self)
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", {"repo_id": repo_id, **kwargs}))
+        if self.fail_with:
+            raise RuntimeError(self.fail_with)
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs))
+        self.uploaded_card = (Path(kwargs["folder_path"]) / "README.md").read_text()
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/1")
+
+
+@pytest.fixture
+def hf_env(tmp_path, monkeypatch):
+    """HF_TOKEN set to a known secret, no cached login, offline."""
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "no_token"))
+    FakeHfApi.instances.clear()
+
+
+def run_main(argv, api_factory=FakeHfApi):
+    return push_script.main([str(a) for a in argv], api_factory=api_factory)
+
+
+def test_push_creates_repo_and_uploads_with_card(tmp_path, hf_env, capsys):
+    export = make_export(tmp_path / "export")
+    (export / "eval_results.json").write_text(
+        json.dumps(
+            {
+                "acceptance_length": 3.25,
+                "acceptance_length_per_position": [0.9, 0.7, 0.5],
+                "temperature": 0.0,
+                "num_prompts": 80,
+            }
+        )
+    )
+    (export / "training_info.json").write_text(
+        json.dumps({"recipe": "qwen3_8b", "dataset": "sharegpt-regenerated"})
+    )
+    argv = [export, "--repo-id", "org/dspine-qwen3-8b", "--private", "--commit-message", "v1"]
+    assert run_main(argv) == 0
+
+    (api,) = FakeHfApi.instances
+    assert api.token == TOKEN
+    assert api.calls[0] == (
+        "create_repo",
+        {"repo_id": "org/dspine-qwen3-8b", "private": True, "exist_ok": True, "repo_type": "model"},
+    )
+    name, upload = api.calls[1]
+    assert name == "upload_folder"
+    assert upload["repo_id"] == "org/dspine-qwen3-8b"
+    assert Path(upload["folder_path"]) == export
+    assert upload["commit_message"] == "v1"
+    assert upload["repo_type"] == "model"
+
+    card = ModelCard(api.uploaded_card)
+    assert card.data.base_model == "Qwen/Qwen3-8B"
+    assert card.data.library_name == "dspine-train"
+    assert {"speculative-decoding", "dspine"} <= set(card.data.tags)
+    assert "Mean acceptance length: **3.250**" in card.text
+    assert "| share of blocks with the first k accepted | 0.9 | 0.7 | 0.5 |" in card.text
+    assert "| num_prompts | 80 |" in card.text
+    assert "- recipe: qwen3_8b" in card.text and "- data: sharegpt-regenerated" in card.text
+    assert 'DSpineDraftModel.from_pretrained("org/dspine-qwen3-8b"' in card.text
+    assert (export / "README.md").read_text() == api.uploaded_card
+
+    out, err = capsys.readouterr()
+    assert "https://huggingface.co/org/dspine-qwen3-8b/commit/1" in out
+    assert TOKEN not in out + err
+
+
+def test_public_by_default(tmp_path, hf_env):
+    export = make_export(tmp_path / "export")
+    assert run_main([export, "--repo-id", "org/name"]) == 0
+    assert FakeHfApi.instances[0].calls[0][1]["private"] is False
+
+
+def test_card_never_invents_measurements(tmp_path, hf_env):
+    export = make_export(tmp_path / "export")
+    assert run_main([export, "--repo-id", "org/name"]) == 0
+    text = FakeHfApi.instances[0].uploaded_card
+    assert "Mean acceptance length: **not measured**" in text
+    assert "- recipe: not recorded" in text and "- data: not recorded" in text
+    # The only numbers in the evaluation section are none at all.
+    evaluation = text.split("## Evaluation")[1].split("## Usage")[0]
+    assert not any(ch.isdigit() for ch in evaluation)
+
+
+def test_card_takes_only_plain_names_from_training_info(tmp_path):
+    export = make_export(tmp_path / "export")
+    (export / "training_info.json").write_text(
+        json.dumps({"recipe": {"lr": 6e-4}, "dataset": ["sharegpt", "ultrachat"]})
+    )
+    info = hub.validate_export(export)
+    text = hub.render_model_card(info, repo_id="org/name")
+    assert "- recipe: not recorded" in text and "- data: sharegpt, ultrachat" in text
+    text = hub.render_model_card(info, repo_id="org/name", recipe="qwen3_8b", dataset="mine")
+    assert "- recipe: qwen3_8b" in text and "- data: mine" in text
+
+
+def test_local_target_path_is_not_a_base_model(tmp_path, hf_env):
+    export = make_export(tmp_path / "export", target_name_or_path=str(tmp_path))
+    info = hub.validate_export(export)
+    card = ModelCard(hub.render_model_card(info, repo_id="org/name"))
+    assert card.data.base_model is None
+    override = ModelCard(
+        hub.render_model_card(info, repo_id="org/name", base_model="Qwen/Qwen3-4B")
+    )
+    assert override.data.base_model == "Qwen/Qwen3-4B"
+
+
+def test_dry_run_prints_plan_and_card_without_network_or_writes(tmp_path, hf_env, capsys):
+    export = make_export(tmp_path / "export")
+    before = sorted(p.name for p in export.iterdir())
+
+    def no_client(**kwargs):
+        raise AssertionError("a dry run must not build a Hub client")
+
+    argv = [export, "--repo-id", "org/name", "--private", "--dry-run"]
+    assert run_main(argv, api_factory=no_client) == 0
+    out, err = capsys.readouterr()
+    assert "repository: org/name (model, private if created)" in out
+    assert "token: found" in out
+    size = (export / "model.safetensors").stat().st_size
+    assert f"model.safetensors  {size / 1024:.1f} KiB" in out
+    assert "token_table.safetensors  10 B" in out
+    assert "README.md" in out and "config.json" in out
+    assert "--- README.md ---" in out and "base_model: Qwen/Qwen3-8B" in out
+    assert TOKEN not in out + err
+    assert sorted(p.name for p in export.iterdir()) == before  # nothing written
+
+
+def _remove(path: Path) -> None:
+    path.unlink()
+
+
+@pytest.mark.parametrize(
+    "breakage, named, message",
+    [
+        (lambda e: _remove(e / "config.json"), "config.json", "missing"),
+        (lambda e: (e / "config.json").write_text("{not json"), "config.json", "not valid JSON"),
+        (
+            lambda e: (e / "config.json").write_text(json.dumps({"model_type": "qwen3"})),
+            "config.json",
+            "model_type is 'qwen3', expected 'dspine'",
+        ),
+        (lambda e: _remove(e / "model.safetensors"), "model.safetensors", "missing"),
+        (
+            lambda e: (e / "model.safetensors").write_bytes(
+                (e / "model.safetensors").read_bytes()[:-16]
+            ),
+            "model.safetensors",
+            "not a readable safetensors file",
+        ),
+        (
+            lambda e: (e / "eval_results.json").write_text('{"acceptance_length": "high"}'),
+            "eval_results.json",
+            "'acceptance_length' must be a finite number",
+        ),
+    ],
+)
+def test_invalid_export_fails_naming_the_file(tmp_path, hf_env, capsys, breakage, named, message):
+    export = make_export(tmp_path / "export")
+    breakage(export)
+    assert run_main([export, "--repo-id", "org/name"]) == 2
+    out, err = capsys.readouterr()
+    assert str(export / named) in err and message in err, err
+    assert FakeHfApi.instances == []  # nothing reached the Hub
+    assert not (export / "README.md").exists()
+
+
+def test_missing_export_dir_and_bad_repo_id(tmp_path, hf_env, capsys):
+    assert run_main([tmp_path / "nope", "--repo-id", "org/name"]) == 2
+    assert f"{tmp_path / 'nope'}: not a directory" in capsys.readouterr().err
+    export = make_export(tmp_path / "export")
+    assert run_main([export, "--repo-id", "org/sub/name"]) == 2
+    assert "--repo-id 'org/sub/name'" in capsys.readouterr().err
+
+
+def test_sharded_export_is_validated(tmp_path):
+    export = make_export(tmp_path / "export")
+    (export / "model.safetensors").rename(export / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"fc.weight": "model-00001-of-00001.safetensors"}}
+    (export / "model.safetensors.index.json").write_text(json.dumps(index))
+    info = hub.validate_export(export)
+    assert info.weight_files == ["model-00001-of-00001.safetensors"]
+    assert (info.num_tensors, info.num_values) == (2, 64 * 128 + 64)
+
+
+def test_no_token_fails_before_any_upload(tmp_path, hf_env, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN")
+    export = make_export(tmp_path / "export")
+    assert run_main([export, "--repo-id", "org/name"]) == 2
+    assert "no Hugging Face token" in capsys.readouterr().err
+    assert FakeHfApi.instances == []
+
+
+def test_upload_error_is_reported_without_the_token(tmp_path, hf_env, capsys):
+    export = make_export(tmp_path / "export")
+
+    def failing(token=None):
+        return FakeHfApi(token, fail_with=f"401 Unauthorized for token {token}")
+
+    assert run_main([export, "--repo-id", "org/name"], api_factory=failing) == 1
+    out, err = capsys.readouterr()
+    assert "upload to org/name failed: 401 Unauthorized for token ***" in err
+    assert TOKEN not in out + err

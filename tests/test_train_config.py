@@ -1,0 +1,95 @@
+"""Recipes compose over the typed schema; bad keys and values fail early, naming the key;
+`plan_only` sizes a recipe without loading weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from dspine_train.training.config import (
+    BlockAttention,
+    ConfigError,
+    Precision,
+    TrainConfig,
+    register_configs,
+    to_train_config,
+)
+from tests._train_helpers import REPO, run_train
+
+RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
+
+
+def _compose(*overrides: str) -> TrainConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        return to_train_config(compose("config", overrides=list(overrides)))
+
+
+def test_the_four_recipes_exist() -> None:
+    assert RECIPES == ["qwen2.5_coder_0.5b", "qwen3_4b", "qwen3_8b", "tiny"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_into_the_schema(recipe: str) -> None:
+    config = _compose(f"recipe={recipe}")
+    assert isinstance(config, TrainConfig) and config.name == recipe
+    assert config.model.target_path and config.data.train_path
+    assert config.output_dir == f"outputs/{recipe}"
+    overrides = config.model.draft_overrides()
+    assert overrides["num_layers"] == len(overrides["target_layer_ids"])
+
+
+def test_qwen3_8b_carries_the_published_settings() -> None:
+    c = _compose("recipe=qwen3_8b")
+    assert (c.model.num_layers, c.model.block_size) == (5, 16)
+    assert c.model.target_layer_ids == [1, 9, 17, 25, 33]
+    assert c.model.loss_gamma == 7.0 and c.model.block_attention == BlockAttention.causal
+    assert (c.optim.lr, c.optim.warmup_ratio, c.optim.epochs) == (6e-4, 0.04, 6)
+    assert c.optim.max_grad_norm == 1.0 and c.data.max_length == 3072
+    assert c.precision == Precision.bf16 and c.deepspeed.stage == 2
+
+
+def test_fields_and_groups_override_from_the_command_line() -> None:
+    c = _compose("recipe=tiny", "deepspeed=zero3", "optim.lr=0.5", "model.injection=false",
+                 "model.block_attention=bidirectional")
+    assert c.deepspeed.stage == 3 and c.deepspeed.config_file == "deepspeed/zero3.json"
+    assert c.optim.lr == 0.5
+    assert c.model.draft_overrides()["injection"] is False
+    assert c.model.draft_overrides()["block_attention"] == "bidirectional"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.foo=1", "model.foo"),
+        ("data.batch_size=abc", "data.batch_size"),
+        ("precision=fp16", "precision"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_name_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigCompositionException, match=message):
+        _compose("recipe=tiny", override)
+
+
+def test_out_of_range_values_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="deepspeed.stage must be 2 or 3"):
+        _compose("recipe=tiny", "deepspeed.stage=1")
+    with pytest.raises(ConfigError, match="optim.warmup_ratio"):
+        _compose("recipe=tiny", "optim.warmup_ratio=1.5")
+
+
+def test_cli_rejects_an_unknown_key_before_any_work(tmp_path: Path) -> None:
+    proc = run_train(["recipe=tiny", "model.foo=1", f"output_dir={tmp_path}/out"])
+    assert proc.returncode != 0
+    assert "Could not override 'model.foo'" in proc.stderr
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_plan_only_sizes_the_8b_recipe_without_weights(tmp_path: Path) -> None:
+    proc = run_train(["recipe=qwen3_8b", "plan_only=true", f"output_dir={tmp_path}/plan"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ZeRO-2, world size 8" in proc.stdout
+    assert "FITS on a 80 GiB GPU" in proc.stdout
