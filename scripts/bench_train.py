@@ -9,7 +9,9 @@ The DSpine overhead ratio is DSpine step time / DFlash step time; the goal is <=
     python scripts/bench_train.py                      # CPU-sized default
     python scripts/bench_train.py --hidden 1024 --layers 3 --seq 2048 --anchors 128 --device cuda
 
-Each variant runs in its own subprocess, so neither inherits the other's allocator cache.
+Step times are medians with the two variants' steps alternating in one process (both see the
+same machine load); peak memory is measured per variant in its own subprocess, so neither
+inherits the other's allocator cache.
 Peak memory: CUDA `max_memory_allocated` above the inputs on a GPU; on a CPU the peak resident
 set size above the level before the first step, sampled every millisecond. Prints a table and
 writes JSON (`--out`, default bench_results/train.json).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import threading
@@ -92,7 +95,8 @@ def _build(args: argparse.Namespace, device: torch.device):
     return target, embed, head, table, layer_ids, batch
 
 
-def _measure(args, device, target, embed, head, table, layer_ids, batch, injection: bool) -> dict:
+def _make_step(args, device, target, embed, head, table, layer_ids, batch, injection: bool):
+    """One training step (forward, full objective, backward) of a fresh draft, and its size."""
     torch.manual_seed(0)
     config = DSpineConfig.from_target(
         target.config, used_vocab_size=args.vocab - 1, num_layers=args.layers,
@@ -112,32 +116,61 @@ def _measure(args, device, target, embed, head, table, layer_ids, batch, injecti
         loss.backward()
         draft.zero_grad(set_to_none=True)
 
+    return one_step, sum(p.numel() for p in draft.parameters())
+
+
+def _timed(one_step, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    one_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _peak_memory(args, device, built, injection: bool) -> float:
+    """Peak memory (MiB) of warm-up + timed steps of one variant (run in a worker process)."""
+    one_step, _ = _make_step(args, device, *built, injection=injection)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     with _RssPeak() as rss:
-        for _ in range(args.warmup):
+        for _ in range(args.warmup + args.iters):
             one_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            one_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = (time.perf_counter() - start) / args.iters
     peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else rss.peak
-    slots = batch[0].shape[0] * batch[4].shape[1] * args.block
-    return {"step_ms": seconds * 1e3, "draft_tokens_per_s": slots / seconds,
-            "peak_memory_mib": peak / 2**20,
-            "parameters": sum(p.numel() for p in draft.parameters())}
+    return peak / 2**20
+
+
+def _interleaved_times(args, device, built) -> dict[str, dict]:
+    """Median step time per variant, the variants' steps alternating on the same batch.
+
+    Alternating step by step exposes both variants to the same machine load, so the ratio
+    stays meaningful on a busy machine.
+    """
+    steps = {name: _make_step(args, device, *built, injection=inj) for name, inj in VARIANTS.items()}
+    for _ in range(args.warmup):
+        for one_step, _ in steps.values():
+            one_step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.iters):
+        for name, (one_step, _) in steps.items():
+            times[name].append(_timed(one_step, device))
+    slots = built[-1][0].shape[0] * built[-1][4].shape[1] * args.block
+    out = {}
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        out[name] = {"step_ms": median * 1e3, "draft_tokens_per_s": slots / median,
+                     "step_ms_all": [t * 1e3 for t in ts], "parameters": steps[name][1]}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
+    # Defaults keep the published 8B proportions (r = H/4, message = H/8) at a CPU size.
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--target-layers", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2, help="draft layers")
     parser.add_argument("--block", type=int, default=16)
@@ -148,24 +181,24 @@ def main() -> None:
     parser.add_argument("--message-size", type=int, default=64)
     parser.add_argument("--candidate-k", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="bench_results/train.json")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args()
     device = torch.device(args.device)
 
-    if args.variant:  # worker: measure one variant, print its JSON on the last line
+    if args.variant:  # worker: peak memory of one variant, JSON on the last line
         built = _build(args, device)
-        print(json.dumps(_measure(args, device, *built, injection=VARIANTS[args.variant])))
+        print(json.dumps({"peak_memory_mib": _peak_memory(args, device, built, VARIANTS[args.variant])}))
         return
-    results = {}
-    for name in VARIANTS:
+    results = _interleaved_times(args, device, _build(args, device))
+    for name in VARIANTS:  # memory in fresh processes, so neither inherits the other's caches
         cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", name]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.exit(f"{name} worker failed:\n{proc.stderr[-3000:]}")
-        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[name].update(json.loads(proc.stdout.strip().splitlines()[-1]))
     ratio = results["dspine"]["step_ms"] / results["dflash"]["step_ms"]
     print(f"training step, {args.batch} x {args.seq} tokens, {args.anchors} anchors x block "
           f"{args.block}, H={args.hidden}, V={args.vocab}, {args.layers} draft layers, "

@@ -1,0 +1,346 @@
+"""Running the ablation: one shared feature cache, one `train.py` run per variant, evaluation.
+
+Layout of an ablation directory `<out>/`:
+
+    features/                 the target's offline features, computed once, read by every run
+    token_table.safetensors   the token table, built once (it depends only on the target)
+    <variant>/                a `train.py` output dir (metrics.jsonl, hydra/config.yaml, final/)
+        request.json          the exact `train.py` arguments this directory was trained with
+        final/                the exported draft (a derived variant: the source's weights with
+                              its switches written into config.json)
+        evaluation.json       simulated + engine-measured acceptance, with the settings used
+
+A rerun skips every finished stage: the cache when its index exists, a variant whose export
+exists (after checking it was trained with the same arguments), an evaluation whose recorded
+settings match. Training runs as a subprocess per variant, so each starts from a fresh process
+(DeepSpeed state, allocator, threads) exactly as a user's `python train.py` would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .variants import Variant
+
+REPO = Path(__file__).resolve().parents[2]
+FEATURES_DIR = "features"
+TOKEN_TABLE = "token_table.safetensors"
+REQUEST_FILE = "request.json"
+EVALUATION_FILE = "evaluation.json"
+RUN_CONFIG = Path("hydra") / "config.yaml"
+
+
+class AblationError(RuntimeError):
+    """A stage of the ablation failed or its directory belongs to another setting."""
+
+
+@dataclass
+class AblationSettings:
+    """What every variant shares: recipe, data, budget, seed and the evaluation.
+
+    Attributes:
+        out_dir: the ablation directory (see the module docstring).
+        recipe: the `train.py` recipe every variant starts from.
+        steps: optimizer steps of every trained variant.
+        seed: the seed of every run (draft init, data order, anchors, replacement draws).
+        overrides: Hydra overrides shared by every run and by the feature cache (target, data,
+            batch size, anchors, ...), applied after the recipe and before a variant's switches.
+        benches: benchmarks of the evaluation harness.
+        temperatures: sampling temperatures of the engine evaluation.
+        limit: prompts per benchmark.
+        max_new_tokens: new tokens per prompt.
+        num_draft_tokens: drafted tokens the target verifies per round (None: block size - 1).
+        measure_ar: also time plain decoding for the tokens/s comparison (for every variant).
+        eval_seed: seed of the prompt choice and of sampling in the engine evaluation.
+        features_override: an existing feature cache of the same data and recipe to read
+            instead of `<out_dir>/features` (e.g. the demo's).
+    """
+
+    out_dir: Path
+    recipe: str
+    steps: int
+    seed: int = 0
+    overrides: list[str] = field(default_factory=list)
+    benches: list[str] = field(default_factory=lambda: ["humaneval", "sharegpt"])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    limit: int = 8
+    max_new_tokens: int = 64
+    num_draft_tokens: int | None = None
+    measure_ar: bool = False
+    eval_seed: int = 0
+    features_override: Path | None = None
+
+    @property
+    def features_dir(self) -> Path:
+        """The shared offline feature cache."""
+        return self.features_override or self.out_dir / FEATURES_DIR
+
+    def run_dir(self, variant: Variant) -> Path:
+        """The variant's `train.py` output directory."""
+        return self.out_dir / variant.name
+
+    def export_dir(self, variant: Variant) -> Path:
+        """The variant's exported draft."""
+        return self.run_dir(variant) / "final"
+
+    def shared_overrides(self) -> list[str]:
+        """Overrides of every run and of the feature cache: recipe, seed, cache, user settings."""
+        return [
+            f"recipe={self.recipe}",
+            f"seed={self.seed}",
+            f"data.offline_features_dir={self.features_dir}",
+            *self.overrides,
+        ]
+
+    def train_arguments(self, variant: Variant) -> list[str]:
+        """The `train.py` arguments of a trained variant (its switches come last and win)."""
+        return [
+            *self.shared_overrides(),
+            f"output_dir={self.run_dir(variant)}",
+            f"model.token_table_path={self.out_dir / TOKEN_TABLE}",
+            f"optim.max_steps={self.steps}",
+            # evaluate once, at the end (the simulated tau of the table); checkpoint at the end
+            # and every quarter, so an interrupted variant resumes instead of restarting
+            "eval.every=0",
+            f"checkpoint.every={max(1, self.steps // 4)}",
+            "checkpoint.keep_last=1",
+            "checkpoint.resume_from=latest",
+            "logging.wandb=false",
+            *variant.hydra_overrides(),
+        ]
+
+    def evaluation_request(self) -> dict[str, Any]:
+        """The engine-evaluation settings recorded with (and checked against) each result."""
+        return {k: getattr(self, k) for k in ("benches", "temperatures", "limit",
+                                                "max_new_tokens", "num_draft_tokens",
+                                                "measure_ar", "eval_seed")}
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment of the stage subprocesses: offline, no wandb login, the repo importable."""
+    env = dict(os.environ)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.setdefault(key, "1")
+    env.setdefault("WANDB_MODE", "offline")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # DeepSpeed JIT-builds a CPU comm op once; keep it where the Makefile and the tests keep it.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_logged(args: Sequence[str], log_path: Path, what: str) -> None:
+    """Run `python <args>` from the repo root, echoing its output live and into `log_path`.
+
+    Raises `AblationError` with the log's path when it exits non-zero.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, *args]
+    with log_path.open("wb") as log:
+        log.write(f"$ {subprocess.list2cmdline(command)}\n".encode())
+        proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert proc.stdout is not None  # PIPE above
+        # Raw chunks, not lines: tqdm redraws its bar with carriage returns.
+        while chunk := proc.stdout.read1(4096):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            log.write(chunk)
+        code = proc.wait()
+    if code != 0:
+        raise AblationError(f"{what} failed (exit {code}); its output is in {log_path}")
+
+
+def ensure_features(settings: AblationSettings) -> None:
+    """Compute the target's features once into the shared cache (skipped when present)."""
+    if (settings.features_dir / "train" / "index.json").is_file():
+        print(f"[ablate] feature cache: reusing {settings.features_dir}")
+        return
+    print(f"[ablate] feature cache: running the target once -> {settings.features_dir}")
+    run_logged(["-m", "data_prep.cache_features", *settings.shared_overrides(),
+                f"hydra.run.dir={settings.out_dir / '.hydra_cache_features'}"],
+               settings.out_dir / "cache_features.log", "caching the target features")
+
+
+def _read_request(run_dir: Path) -> list[str] | None:
+    path = run_dir / REQUEST_FILE
+    return json.loads(path.read_text())["train_arguments"] if path.is_file() else None
+
+
+def train_variant(settings: AblationSettings, variant: Variant) -> bool:
+    """Train one variant with `train.py` unless its export exists; True when it trained.
+
+    A directory trained with other arguments is refused (never silently reused or overwritten).
+    """
+    run_dir, arguments = settings.run_dir(variant), settings.train_arguments(variant)
+    recorded = _read_request(run_dir)
+    if recorded is not None and recorded != arguments:
+        raise AblationError(
+            f"{run_dir} was trained with other arguments ({REQUEST_FILE} differs: e.g. "
+            f"{sorted(set(recorded) ^ set(arguments))[:4]}); delete it or use another --out"
+        )
+    if (settings.export_dir(variant) / "config.json").is_file():
+        print(f"[ablate] {variant.name}: export exists, skipping training")
+        return False
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / REQUEST_FILE).write_text(json.dumps({"train_arguments": arguments}, indent=2))
+    print(f"[ablate] {variant.name}: training {settings.steps} steps ({variant.description})")
+    start = time.perf_counter()
+    run_logged(["train.py", *arguments], run_dir / "train.log", f"training {variant.name}")
+    timing = {"train_wall_s": time.perf_counter() - start}
+    (run_dir / "timing.json").write_text(json.dumps(timing, indent=2))
+    return True
+
+
+def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> None:
+    """`destination`: the export at `source` with `switches` written into its config.json.
+
+    Weights are hard-linked (copied where links are impossible); written to a temporary
+    directory and renamed, so the destination is always a whole export.
+    """
+    if not (source / "config.json").is_file():
+        raise AblationError(f"{source}: no exported draft to derive from")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}."))
+    tmp.chmod(0o755)
+    for item in source.iterdir():
+        if item.is_file() and item.name != "config.json":
+            try:
+                os.link(item, tmp / item.name)
+            except OSError:
+                shutil.copy2(item, tmp / item.name)
+    config = json.loads((source / "config.json").read_text())
+    config.update(switches)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if destination.exists():
+        shutil.rmtree(destination)
+    tmp.rename(destination)
+
+
+def prepare_variant(settings: AblationSettings, variant: Variant) -> None:
+    """Train the variant, or derive its export from the variant it reuses."""
+    if variant.trained:
+        train_variant(settings, variant)
+        return
+    source = settings.export_dir(_variant_named(variant.reuse))
+    # Cheap (hard links + one small JSON), so always redone: it follows the source's weights.
+    derive_export(source, settings.export_dir(variant), variant.switches)
+    print(f"[ablate] {variant.name}: derived from {source} with {variant.switches}")
+
+
+def _variant_named(name: str | None) -> Variant:
+    from .variants import VARIANTS
+
+    if name not in VARIANTS:
+        raise AblationError(f"unknown variant {name!r}")
+    return VARIANTS[name]
+
+
+def source_run_dir(settings: AblationSettings, variant: Variant) -> Path:
+    """The directory of the training run behind a variant's weights."""
+    return settings.run_dir(_variant_named(variant.reuse) if variant.reuse else variant)
+
+
+def evaluate_variant(
+    settings: AblationSettings, variant: Variant, engine_eval: Any
+) -> dict[str, Any]:
+    """Simulated and engine-measured acceptance of the variant's export (cached on disk).
+
+    `engine_eval(draft_dir) -> list[dict]` runs the evaluation harness on one export; it is
+    injected so the caller decides how the target is loaded and shared between variants.
+    """
+    from .simulated import load_run_config, simulated_acceptance
+
+    path = settings.run_dir(variant) / EVALUATION_FILE
+    request = settings.evaluation_request()
+    export = settings.export_dir(variant)
+    weights_stamp = os.stat(export / "model.safetensors").st_mtime_ns
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached.get("request") == request and cached.get("weights_mtime_ns") == weights_stamp:
+            print(f"[ablate] {variant.name}: evaluation exists, skipping")
+            return cached
+    print(f"[ablate] {variant.name}: evaluating")
+    config = load_run_config(source_run_dir(settings, variant) / RUN_CONFIG)
+    start = time.perf_counter()
+    stats = simulated_acceptance(export, config)
+    simulated = None if stats is None else {
+        "tau": stats.tau, "per_position": stats.position_rates(), "blocks": stats.blocks,
+        "wall_s": time.perf_counter() - start,
+    }
+    start = time.perf_counter()
+    engine = engine_eval(export)
+    result = {"request": request, "weights_mtime_ns": weights_stamp, "simulated": simulated,
+              "engine": engine, "engine_wall_s": time.perf_counter() - start}
+    path.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def settings_record(settings: AblationSettings) -> dict[str, Any]:
+    """The settings as JSON-ready values."""
+    record = asdict(settings)
+    record["out_dir"] = str(settings.out_dir)
+    return record
+
+
+def collect_row(
+    settings: AblationSettings, variant: Variant, evaluation: dict[str, Any]
+) -> dict[str, Any]:
+    """One table row: the variant, the budget its weights were trained with (read back from
+    the run's own saved config), its final losses and its evaluation."""
+    from ..training.tracking import read_metrics
+    from .report import final_losses
+    from .simulated import load_run_config
+
+    run_dir = source_run_dir(settings, variant)
+    config = load_run_config(run_dir / RUN_CONFIG)
+    history = read_metrics(run_dir / "metrics.jsonl")
+    trainer_tau = [row["eval/tau"] for row in history if "eval/tau" in row]
+    timing_path = run_dir / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
+    return {
+        "variant": variant.name,
+        "description": variant.description,
+        "switches": variant.switches,
+        "trained": variant.trained,
+        "reuse": variant.reuse,
+        "run": {
+            "dir": str(run_dir),
+            "recipe": config.name,
+            "steps": config.optim.max_steps,
+            "seed": config.seed,
+            "train_path": config.data.train_path,
+            "offline_features_dir": config.data.offline_features_dir,
+            "batch_size": config.data.batch_size,
+            "num_anchors": config.data.num_anchors,
+            "max_length": config.data.max_length,
+            "lr": config.optim.lr,
+            "precision": config.precision.value,
+        },
+        "train_wall_s": timing.get("train_wall_s"),
+        "final_losses": final_losses(history, config.optim.max_steps),
+        # the trainer evaluated the source variant's decode, not a derived one's
+        "trainer_sim_tau": trainer_tau[-1] if trainer_tau and variant.trained else None,
+        "simulated": evaluation["simulated"],
+        "engine": evaluation["engine"],
+    }
+
+
+BUDGET_KEYS = ("steps", "seed", "train_path", "offline_features_dir", "batch_size",
+               "num_anchors", "max_length", "lr", "precision")
+
+
+def same_budget(rows: list[dict[str, Any]]) -> bool:
+    """Whether every row's weights were trained with the same data, budget and seed."""
+    budgets = {tuple(row["run"][k] for k in BUDGET_KEYS) for row in rows}
+    return len(budgets) == 1

@@ -1,0 +1,85 @@
+"""The trainer's simulated acceptance (`Trainer.evaluate`) for an exported draft, offline.
+
+A decode-time variant (e.g. `transition_cache: false` on trained weights) has no training run
+of its own, so no trainer evaluation. This re-runs the trainer's end-of-run evaluation - the
+same held-out batches, the same anchor draws, the same decode (`DraftStep`) - on any exported
+draft, reading the target features from the offline cache. For a trained variant it reproduces
+the trainer's own number, which the ablation records as a check.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from ..modeling import DSpineDraftModel
+from ..objective import sample_anchors
+from ..training.config import TrainConfig, validate_config
+from ..training.data import TokenBatches, epoch_batches, load_token_dataset, split_names
+from ..training.draft_step import DraftStep
+from ..training.evaluation import AcceptanceStats, stats_from_counts
+from ..training.offline_features import CacheIdentity, OfflineFeatures
+from ..training.target import read_embedding_and_head
+
+# The trainer's private seeding of its evaluation anchors, imported rather than copied so that
+# a change there cannot silently make this evaluation draw other anchors.
+from ..training.trainer import _EVAL_SEED_OFFSET, _generator
+
+
+def load_run_config(path: Path) -> TrainConfig:
+    """The resolved config a `train.py` run saved (`<output_dir>/hydra/config.yaml`), typed."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no saved run config (is this a train.py output dir?)")
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+    config = OmegaConf.to_object(merged)
+    assert isinstance(config, TrainConfig)  # merged onto the structured schema above
+    validate_config(config)
+    return config
+
+
+@torch.no_grad()
+def simulated_acceptance(draft_dir: Path, config: TrainConfig) -> AcceptanceStats | None:
+    """`Trainer.evaluate` on the draft exported at `draft_dir`, with `config`'s data and seed.
+
+    Returns None when the run has no held-out split (the trainer evaluates nothing then).
+    Needs `config.data.offline_features_dir` (the target itself is not loaded).
+    """
+    d = config.data
+    eval_path = d.eval_path or d.train_path
+    if not (d.eval_path or d.eval_split in split_names(d.train_path)):
+        return None
+    if not d.offline_features_dir:
+        raise ValueError("data.offline_features_dir: the simulated evaluation reads cached "
+                         "target features; this run trained with the target online")
+    dtype = torch.bfloat16 if config.precision.value == "bf16" else torch.float32
+    draft = DSpineDraftModel.from_pretrained(str(draft_dir)).to(dtype).eval()
+    embed, head = read_embedding_and_head(config.model.target_path)
+    draft.bind_target(embed.to(dtype), head.to(dtype))
+    step = DraftStep(draft, head.to(dtype), config.logits_chunk_size)
+
+    batches = TokenBatches(load_token_dataset(eval_path, d.eval_split, "data.eval_path"),
+                           d.max_length, draft.config.vocab_size, "data.eval_path")
+    cache = OfflineFeatures(
+        Path(d.offline_features_dir) / d.eval_split,
+        CacheIdentity(config.model.target_path, list(draft.config.target_layer_ids),
+                      d.max_length, len(batches)),
+    )
+    # The trainer's plan: one length-grouped epoch, cut to `max_blocks` blocks.
+    per_batch = config.eval.batch_size * config.eval.num_anchors
+    plan = epoch_batches(batches.lengths, config.eval.batch_size, 0, config.seed, True, 8)
+    plan = plan[: max(1, math.ceil(config.eval.max_blocks / per_batch))]
+    total = None
+    for index, rows in enumerate(plan):
+        batch = batches.collate(rows)
+        feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1])
+        gen = _generator(config.seed + _EVAL_SEED_OFFSET, index)
+        anchors, anchor_mask = sample_anchors(batch.loss_mask, config.eval.num_anchors,
+                                              draft.config.block_size, gen)
+        # Features as the trainer feeds them (the cache's dtype, no cast).
+        counts = step(batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
+                      anchors, anchor_mask, evaluate=True)
+        total = counts if total is None else total + counts
+    return stats_from_counts(total)

