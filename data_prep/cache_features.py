@@ -20,21 +20,16 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from dspine_train.modeling import DSpineConfig, default_target_layer_ids
 from dspine_train.training.config import ConfigError, register_configs, to_train_config
-from dspine_train.training.data import TokenBatches, load_token_dataset, split_names
+from dspine_train.training.data import TokenBatches
 from dspine_train.training.errors import TrainingError
+from dspine_train.training.inputs import check_inputs
 from dspine_train.training.offline_features import (
     CacheIdentity,
     estimate_cache_bytes,
     write_feature_cache,
 )
-from dspine_train.training.target import (
-    TargetFeatureExtractor,
-    load_target,
-    load_target_config,
-)
-from dspine_train.training.tiny_assets import write_synthetic_dataset, write_tiny_target
+from dspine_train.training.target import TargetFeatureExtractor, load_target
 
 register_configs()
 RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
@@ -46,23 +41,17 @@ def cache_features(cfg: DictConfig) -> list[Path]:
     m, d = config.model, config.data
     if not d.offline_features_dir:
         raise ConfigError("data.offline_features_dir: set where the feature cache goes")
-    if m.tiny_random_target:
-        write_tiny_target(m.target_path, seed=config.seed)
-    if d.synthetic:
-        write_synthetic_dataset(d.train_path, m.target_path, d.synthetic_num_sequences,
-                                d.synthetic_length, seed=config.seed)
-    target_config = load_target_config(m.target_path, m.trust_remote_code)
-    layer_ids = m.target_layer_ids or default_target_layer_ids(
-        target_config.num_hidden_layers, m.num_layers or DSpineConfig.num_layers
-    )
+    # the trainer's own input checks: same target layers, same splits, same errors
+    inputs = check_inputs(config)
+    target_config = inputs.target_config
+    layer_ids = inputs.draft_config.target_layer_ids
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    splits = [("data.train_path", d.train_path, d.train_split)]
-    if d.eval_path or d.eval_split in split_names(d.train_path):
-        splits.append(("data.eval_path", d.eval_path or d.train_path, d.eval_split))
+    splits = [(d.train_split, inputs.train, "data.train_path")]
+    if inputs.eval is not None:
+        splits.append((d.eval_split, inputs.eval, "data.eval_path"))
     datasets = [
-        (split, TokenBatches(load_token_dataset(path, split, role), d.max_length,
-                             target_config.vocab_size, role))
-        for role, path, split in splits
+        (split, TokenBatches(dataset, d.max_length, target_config.vocab_size, role))
+        for split, dataset, role in splits
     ]
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(m.target_dtype,
                                                                        torch.float32)
@@ -70,7 +59,7 @@ def cache_features(cfg: DictConfig) -> list[Path]:
         size = estimate_cache_bytes(int(batches.lengths.sum()), len(layer_ids),
                                     target_config.hidden_size, dtype)
         print(f"split {split!r}: {len(batches)} rows, {int(batches.lengths.sum()):,} tokens -> "
-              f"about {size / 2**30:.2f} GiB of features")
+              f"about {size / 2**20:,.1f} MiB of features")
     target = load_target(m.target_path, m.target_dtype, device, m.trust_remote_code)
     extract = TargetFeatureExtractor(target, layer_ids)
     written = []

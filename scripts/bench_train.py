@@ -9,7 +9,7 @@ The DSpine overhead ratio is DSpine step time / DFlash step time; the goal is <=
     python scripts/bench_train.py                      # CPU-sized default
     python scripts/bench_train.py --hidden 1024 --layers 3 --seq 2048 --anchors 128 --device cuda
 
-Step times are medians with the two variants' steps alternating in one process (both see the
+Step times (best of --iters) come with the two variants' steps alternating in one process (both see the
 same machine load); peak memory is measured per variant in its own subprocess, so neither
 inherits the other's allocator cache.
 Peak memory: CUDA `max_memory_allocated` above the inputs on a GPU; on a CPU the peak resident
@@ -144,10 +144,10 @@ def _peak_memory(args, device, built, injection: bool) -> float:
 
 
 def _interleaved_times(args, device, built) -> dict[str, dict]:
-    """Median step time per variant, the variants' steps alternating on the same batch.
+    """Best and median step time per variant, the variants' steps alternating on one batch.
 
-    Alternating step by step exposes both variants to the same machine load, so the ratio
-    stays meaningful on a busy machine.
+    Alternating step by step exposes both variants to the same machine load; the ratio uses the
+    best (minimum) time of each, the estimate least disturbed by other processes (as timeit).
     """
     steps = {name: _make_step(args, device, *built, injection=inj) for name, inj in VARIANTS.items()}
     for _ in range(args.warmup):
@@ -160,9 +160,10 @@ def _interleaved_times(args, device, built) -> dict[str, dict]:
     slots = built[-1][0].shape[0] * built[-1][4].shape[1] * args.block
     out = {}
     for name, ts in times.items():
-        median = statistics.median(ts)
-        out[name] = {"step_ms": median * 1e3, "draft_tokens_per_s": slots / median,
-                     "step_ms_all": [t * 1e3 for t in ts], "parameters": steps[name][1]}
+        best = min(ts)
+        out[name] = {"step_ms": best * 1e3, "step_ms_median": statistics.median(ts) * 1e3,
+                     "draft_tokens_per_s": slots / best, "step_ms_all": [t * 1e3 for t in ts],
+                     "parameters": steps[name][1]}
     return out
 
 
@@ -203,12 +204,13 @@ def main() -> None:
     print(f"training step, {args.batch} x {args.seq} tokens, {args.anchors} anchors x block "
           f"{args.block}, H={args.hidden}, V={args.vocab}, {args.layers} draft layers, "
           f"{args.device}")
-    print(f"{'variant':<8} {'step ms':>9} {'draft tok/s':>12} {'peak MiB':>9} {'params':>10}")
+    print(f"{'variant':<8} {'best ms':>9} {'median ms':>10} {'draft tok/s':>12} {'peak MiB':>9} "
+          f"{'params':>10}")
     for name, r in results.items():
-        print(f"{name:<8} {r['step_ms']:>9.1f} {r['draft_tokens_per_s']:>12,.0f} "
-              f"{r['peak_memory_mib']:>9.1f} {r['parameters']:>10,}")
+        print(f"{name:<8} {r['step_ms']:>9.1f} {r['step_ms_median']:>10.1f} "
+              f"{r['draft_tokens_per_s']:>12,.0f} {r['peak_memory_mib']:>9.1f} {r['parameters']:>10,}")
     verdict = "meets" if ratio <= GOAL else "misses"
-    print(f"DSpine overhead: {ratio:.3f}x step time ({verdict} the <= {GOAL:.2f}x goal)")
+    print(f"DSpine overhead: {ratio:.3f}x best step time ({verdict} the <= {GOAL:.2f}x goal)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"settings": vars(args), "results": results,
