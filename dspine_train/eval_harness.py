@@ -129,17 +129,18 @@ def load_builtin(name: str, *, limit: int | None, seed: int = 0,
 
 def _file_row(record: Any, where: str) -> Messages:
     """One benchmark file row -> prompt messages ending with a user turn."""
-    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+    record = record if isinstance(record, dict) else {}
+    raw = record.get("messages", record.get("conversations"))
+    if isinstance(record.get("prompt"), str):
         raw = [{"role": "user", "content": record["prompt"]}]
-    elif isinstance(record, dict) and isinstance(record.get("messages", record.get("conversations")), list):
-        raw = record.get("messages", record.get("conversations"))
-    else:
+    elif not isinstance(raw, list):
         raise BenchmarkError(f"{where}: expected {{'prompt': str}} or a 'messages' list")
     messages: Messages = []
     for index, message in enumerate(raw):
-        role = message.get("role", message.get("from")) if isinstance(message, dict) else None
-        content = message.get("content", message.get("value")) if isinstance(message, dict) else None
-        role = ROLE_ALIASES.get(str(role).lower()) if role is not None else None
+        message = message if isinstance(message, dict) else {}
+        # OpenAI-style role/content or ShareGPT-style from/value
+        role = ROLE_ALIASES.get(str(message.get("role", message.get("from"))).lower())
+        content = message.get("content", message.get("value"))
         if role is None or not isinstance(content, str) or not content.strip():
             raise BenchmarkError(f"{where}: message {index} needs a known role and non-empty text")
         messages.append({"role": role, "content": content})
@@ -259,14 +260,19 @@ def evaluate(target: str | Path, draft: str | Path, benches: list[str],
              temperatures: list[float], *, max_new_tokens: int = 64, limit: int = 8,
              num_draft_tokens: int | None = None, measure_ar: bool = True, seed: int = 0,
              engine: Any = None, batch_size: int = 1, device: str | None = None,
-             max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS) -> list[BenchResult]:
+             max_prompt_chars: int | None = DEFAULT_MAX_PROMPT_CHARS,
+             ar_cache: dict[tuple, tuple[list[list[int]], Any]] | None = None,
+             ) -> list[BenchResult]:
     """Run speculative (and plain) decoding of ``draft`` on each benchmark and temperature.
 
     ``engine``: a ready `Engine` holding the draft to measure (then ``target``/``draft`` are
     only recorded); otherwise one is built on ``device`` (CUDA when available). Prompts run
     ``batch_size`` at a time (1 = single-sequence latency, where speculative decoding pays
     off); ``num_draft_tokens`` is g, the drafts verified per round (None: block size - 1).
-    A short warm-up call of each mode runs before anything is timed.
+    A short warm-up call of each mode runs before anything is timed. ``ar_cache``: a dict
+    shared between calls on the same target and machine; plain decoding of a (benchmark,
+    temperature, settings) already in it is reused instead of run again (it does not depend
+    on the draft).
     """
     if not benches or not temperatures:
         raise BenchmarkError("give at least one benchmark and one temperature")
@@ -286,7 +292,7 @@ def evaluate(target: str | Path, draft: str | Path, benches: list[str],
 
     warm = encoded[0][:1]  # one-time allocations and lazy inits stay out of the timings
     engine.generate(warm, max_new_tokens=4, chat=False, num_draft_tokens=g)
-    if measure_ar:
+    if measure_ar and not ar_cache:  # a filled cache means the target ran warm before
         engine.generate_ar(warm, max_new_tokens=4, chat=False)
 
     results = []
@@ -298,7 +304,14 @@ def evaluate(target: str | Path, draft: str | Path, benches: list[str],
                                      num_draft_tokens=g, **common)
             ar_speed = speedup = lossless = None
             if measure_ar:
-                ar_tokens, ar = _run(engine, ids, batch_size, False, f"{label} AR", **common)
+                key = (bench.name, tuple(bench.ids), float(temperature), max_new_tokens, seed,
+                       batch_size)
+                cached = ar_cache.get(key) if ar_cache is not None else None
+                if cached is None:
+                    cached = _run(engine, ids, batch_size, False, f"{label} AR", **common)
+                    if ar_cache is not None:
+                        ar_cache[key] = cached
+                ar_tokens, ar = cached
                 ar_speed = ar.tokens_per_s
                 speedup = spec.tokens_per_s / ar_speed if ar_speed else None
                 # Sampling draws differ between the two modes; only greedy output must match.

@@ -8,6 +8,7 @@ harness as plain dicts (`dataclasses.asdict`), so the JSON holds everything the 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,30 @@ def final_losses(history: list[dict[str, Any]], total_steps: int) -> dict[str, f
         if values:
             out[term] = sum(values) / len(values)
     return out
+
+
+def git_commit(repo: Path) -> tuple[str, bool]:
+    """HEAD's commit and whether the working tree differs from it (read-only git calls)."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True,
+                              check=False).stdout.strip()
+    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain"))
+
+
+def data_summary(path: str) -> str:
+    """Rows and tokens of each split of a tokenised dataset directory."""
+    import datasets
+
+    from ..training.data import split_names
+
+    splits = split_names(path)
+    if not splits:
+        return "a single split"
+    parts = []
+    for split in splits:
+        ds = datasets.load_from_disk(str(Path(path) / split))
+        parts.append(f"{split}: {len(ds)} rows, {sum(ds['length']):,} tokens")
+    return "; ".join(parts)
 
 
 def _bench_key(result: dict[str, Any]) -> str:
@@ -79,20 +104,25 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- budget, identical for every trained variant: {s['steps']} steps x batch "
         f"{meta['batch_size']} x {meta['num_anchors']} anchors per sequence, max length "
         f"{meta['max_length']}, lr {meta['lr']}, seed {s['seed']}"
-        + ("" if meta["same_budget"] else " - **NOT identical across runs, see JSON**"),
+        + ("; the runs' saved configs differ only in the variants' switches"
+           if meta["same_budget"] else " - **NOT identical across runs**: "
+           + ", ".join(meta.get("config_differences") or ["see the JSON"])),
         f"- engine evaluation: {s['limit']} held-out prompts per benchmark, "
         f"{s['max_new_tokens']} new tokens, verifying "
-        f"{s['num_draft_tokens'] or 'block_size - 1'} drafted tokens per round",
+        f"{s['num_draft_tokens'] or 'block_size - 1'} drafted tokens per round, "
+        f"{s['eval_batch_size']} prompt(s) decoded together",
         "",
         "tau = tokens committed per target verification (accepted drafts + 1 bonus). "
+        "*top-1*: the draft's top-1 accuracy on its training blocks (final window). "
         "*sim. tau* is the trainer's simulated acceptance on the held-out split of the training "
         "data (greedy, teacher-forced context); the other tau columns are measured by the engine "
         "on held-out benchmark prompts. Final losses: mean over the logged windows of the last "
-        f"{int(FINAL_SHARE * 100)}% of steps.",
+        f"{int(FINAL_SHARE * 100)}% of steps; *final loss* sums each variant's own terms, so "
+        "compare *backbone CE* across rows.",
         "",
     ]
-    head = ["variant", "trained", "final loss", "backbone CE", "top-1", "sim. tau", *keys,
-            "mean tau"]
+    head = ["variant", "trained", "train min", "final loss", "backbone CE", "top-1", "sim. tau",
+            *keys, "mean tau"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         losses = row["final_losses"]
@@ -100,7 +130,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         taus = [engine[k]["tau"] for k in keys if k in engine]
         sim = row["simulated"]["tau"] if row["simulated"] else None
         trained = "yes" if row["trained"] else f"no ({row['reuse']}'s weights)"
-        cells = [f"`{row['variant']}`", trained, _fmt(losses.get("loss")),
+        minutes = row["train_wall_s"] / 60 if row["trained"] and row["train_wall_s"] else None
+        cells = [f"`{row['variant']}`", trained, _fmt(minutes, 1), _fmt(losses.get("loss")),
                  _fmt(losses.get("backbone_ce")), _fmt(losses.get("top1_acc")), _fmt(sim),
                  *[_fmt(engine[k]["tau"]) if k in engine else "-" for k in keys],
                  _fmt(sum(taus) / len(taus) if taus else None)]

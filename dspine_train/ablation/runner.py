@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,11 @@ class AblationSettings:
         limit: prompts per benchmark.
         max_new_tokens: new tokens per prompt.
         num_draft_tokens: drafted tokens the target verifies per round (None: block size - 1).
-        measure_ar: also time plain decoding for the tokens/s comparison (for every variant).
+        measure_ar: also run plain decoding (tokens/s, speedup, lossless check) per variant.
+        eval_batch_size: prompts the engine decodes together (tau does not depend on it;
+            tokens/s is then batched throughput, not single-sequence latency).
         eval_seed: seed of the prompt choice and of sampling in the engine evaluation.
+        max_prompt_chars: benchmark prompts longer than this are left out (harness setting).
         features_override: an existing feature cache of the same data and recipe to read
             instead of `<out_dir>/features` (e.g. the demo's).
     """
@@ -77,7 +81,9 @@ class AblationSettings:
     max_new_tokens: int = 64
     num_draft_tokens: int | None = None
     measure_ar: bool = False
+    eval_batch_size: int = 1
     eval_seed: int = 0
+    max_prompt_chars: int | None = 2000
     features_override: Path | None = None
 
     @property
@@ -123,7 +129,8 @@ class AblationSettings:
         """The engine-evaluation settings recorded with (and checked against) each result."""
         return {k: getattr(self, k) for k in ("benches", "temperatures", "limit",
                                                 "max_new_tokens", "num_draft_tokens",
-                                                "measure_ar", "eval_seed")}
+                                                "measure_ar", "eval_batch_size", "eval_seed",
+                                                "max_prompt_chars")}
 
 
 def subprocess_env() -> dict[str, str]:
@@ -139,8 +146,8 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def run_logged(args: Sequence[str], log_path: Path, what: str) -> None:
-    """Run `python <args>` from the repo root, echoing its output live and into `log_path`.
+def run_logged(args: Sequence[str], log_path: Path, what: str, echo: bool = True) -> None:
+    """Run `python <args>` from the repo root, its output into `log_path` (and echoed live).
 
     Raises `AblationError` with the log's path when it exits non-zero.
     """
@@ -148,15 +155,20 @@ def run_logged(args: Sequence[str], log_path: Path, what: str) -> None:
     command = [sys.executable, *args]
     with log_path.open("wb") as log:
         log.write(f"$ {subprocess.list2cmdline(command)}\n".encode())
-        proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        assert proc.stdout is not None  # PIPE above
-        # Raw chunks, not lines: tqdm redraws its bar with carriage returns.
-        while chunk := proc.stdout.read1(4096):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
-            log.write(chunk)
-        code = proc.wait()
+        log.flush()
+        if not echo:
+            code = subprocess.run(command, cwd=REPO, env=subprocess_env(), stdout=log,
+                                  stderr=subprocess.STDOUT, check=False).returncode
+        else:
+            proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            assert proc.stdout is not None  # PIPE above
+            # Raw chunks, not lines: tqdm redraws its bar with carriage returns.
+            while chunk := proc.stdout.read1(4096):
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+                log.write(chunk)
+            code = proc.wait()
     if code != 0:
         raise AblationError(f"{what} failed (exit {code}); its output is in {log_path}")
 
@@ -177,10 +189,14 @@ def _read_request(run_dir: Path) -> list[str] | None:
     return json.loads(path.read_text())["train_arguments"] if path.is_file() else None
 
 
-def train_variant(settings: AblationSettings, variant: Variant) -> bool:
+def train_variant(
+    settings: AblationSettings, variant: Variant, echo: bool = True, side_by_side: int = 1
+) -> bool:
     """Train one variant with `train.py` unless its export exists; True when it trained.
 
     A directory trained with other arguments is refused (never silently reused or overwritten).
+    `echo=False` keeps the run's output in its log only; `side_by_side` (how many trainings
+    share the machine) is recorded with the wall time.
     """
     run_dir, arguments = settings.run_dir(variant), settings.train_arguments(variant)
     recorded = _read_request(run_dir)
@@ -196,8 +212,10 @@ def train_variant(settings: AblationSettings, variant: Variant) -> bool:
     (run_dir / REQUEST_FILE).write_text(json.dumps({"train_arguments": arguments}, indent=2))
     print(f"[ablate] {variant.name}: training {settings.steps} steps ({variant.description})")
     start = time.perf_counter()
-    run_logged(["train.py", *arguments], run_dir / "train.log", f"training {variant.name}")
-    timing = {"train_wall_s": time.perf_counter() - start}
+    run_logged(["train.py", *arguments], run_dir / "train.log", f"training {variant.name}", echo)
+    timing = {"train_wall_s": time.perf_counter() - start, "side_by_side": side_by_side,
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    print(f"[ablate] {variant.name}: trained in {timing['train_wall_s']:.0f} s")
     (run_dir / "timing.json").write_text(json.dumps(timing, indent=2))
     return True
 
@@ -227,15 +245,27 @@ def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> 
     tmp.rename(destination)
 
 
-def prepare_variant(settings: AblationSettings, variant: Variant) -> None:
-    """Train the variant, or derive its export from the variant it reuses."""
-    if variant.trained:
-        train_variant(settings, variant)
-        return
-    source = settings.export_dir(_variant_named(variant.reuse))
-    # Cheap (hard links + one small JSON), so always redone: it follows the source's weights.
-    derive_export(source, settings.export_dir(variant), variant.switches)
-    print(f"[ablate] {variant.name}: derived from {source} with {variant.switches}")
+def prepare_variants(settings: AblationSettings, variants: Sequence[Variant], jobs: int = 1) -> None:
+    """Train the trained variants (`jobs` at a time), then derive the others' exports.
+
+    With `jobs` > 1 the runs' output goes to their logs only; the wall times of runs that
+    shared the machine are not comparable, and the table says how many ran at once.
+    """
+    trained = [v for v in variants if v.trained]
+    if jobs <= 1:
+        for variant in trained:
+            train_variant(settings, variant)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            # list(): re-raise the first failure here
+            list(pool.map(lambda v: train_variant(settings, v, False, jobs), trained))
+    for variant in variants:
+        if variant.trained:
+            continue
+        source = settings.export_dir(_variant_named(variant.reuse))
+        # Cheap (hard links + one small JSON), so always redone: it follows the source's weights.
+        derive_export(source, settings.export_dir(variant), variant.switches)
+        print(f"[ablate] {variant.name}: derived from {source} with {variant.switches}")
 
 
 def _variant_named(name: str | None) -> Variant:
@@ -252,7 +282,7 @@ def source_run_dir(settings: AblationSettings, variant: Variant) -> Path:
 
 
 def evaluate_variant(
-    settings: AblationSettings, variant: Variant, engine_eval: Any
+    settings: AblationSettings, variant: Variant, engine_eval: Callable[[Path], list[dict]]
 ) -> dict[str, Any]:
     """Simulated and engine-measured acceptance of the variant's export (cached on disk).
 
@@ -284,6 +314,31 @@ def evaluate_variant(
               "engine": engine, "engine_wall_s": time.perf_counter() - start}
     path.write_text(json.dumps(result, indent=2))
     return result
+
+
+def harness_evaluator(target: str, settings: AblationSettings) -> Callable[[Path], list[dict]]:
+    """`export_dir -> [BenchResult as dict]`: the evaluation harness on one draft export.
+
+    A failure (bad benchmark, incompatible draft, a prompt the caches cannot hold) becomes an
+    `AblationError` naming the export.
+    """
+    from .. import eval_harness
+    from ..engine import CheckpointError, GenerationInputError, IncompatibleDraftError
+
+    def run(export_dir: Path) -> list[dict]:
+        try:
+            results = eval_harness.evaluate(
+                target, str(export_dir), settings.benches, settings.temperatures,
+                max_new_tokens=settings.max_new_tokens, limit=settings.limit,
+                num_draft_tokens=settings.num_draft_tokens, measure_ar=settings.measure_ar,
+                seed=settings.eval_seed, batch_size=settings.eval_batch_size,
+                max_prompt_chars=settings.max_prompt_chars,
+            )
+        except (eval_harness.BenchmarkError, CheckpointError, IncompatibleDraftError,
+                GenerationInputError, ValueError) as err:
+            raise AblationError(f"evaluating {export_dir}: {err}") from err
+        return [asdict(r) for r in results]
+    return run
 
 
 def settings_record(settings: AblationSettings) -> dict[str, Any]:
@@ -344,3 +399,31 @@ def same_budget(rows: list[dict[str, Any]]) -> bool:
     """Whether every row's weights were trained with the same data, budget and seed."""
     budgets = {tuple(row["run"][k] for k in BUDGET_KEYS) for row in rows}
     return len(budgets) == 1
+
+
+def config_differences(settings: AblationSettings, variants: Sequence[Variant]) -> list[str]:
+    """Keys of the trained runs' saved configs that differ, besides the variants' switches.
+
+    Empty when the runs are identical except for what the ablation changes on purpose (a
+    recipe edited between two runs would show up here).
+    """
+    from omegaconf import OmegaConf
+
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(node, dict):
+            out: dict[str, Any] = {}
+            for key, value in node.items():
+                out.update(flat(value, f"{prefix}{key}."))
+            return out
+        return {prefix[:-1]: node}
+
+    trained = [v for v in variants if v.trained]
+    switched = {f"model.{k}" for v in trained for k in v.switches}
+    configs = []
+    for variant in trained:
+        config = flat(OmegaConf.to_container(OmegaConf.load(settings.run_dir(variant) / RUN_CONFIG)))
+        for key in ["output_dir", *switched]:
+            config.pop(key, None)
+        configs.append(config)
+    keys = sorted({k for c in configs for k in c})
+    return [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]

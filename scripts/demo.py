@@ -1,0 +1,578 @@
+"""The whole DSpine pipeline on the embedded Qwen2.5-Coder-0.5B target, on a CPU (`make demo`).
+
+    python scripts/demo.py                        # every stage; finished stages are skipped
+    python scripts/demo.py --stages evaluate --force evaluate --num-draft-tokens 7,3,1
+    python scripts/demo.py --num-prompts 256 --steps 300 --threads 1
+
+Stages, in order (each writes `<out>/stages/<stage>.json` when done and is skipped next time
+unless its settings, an earlier stage, or `--force` changed):
+
+    target       assemble the embedded target from the demo packages (cached; --target skips it)
+    prompts      single-turn training prompts: the train parts of HumanEval and ShareGPT (the
+                 held-out parts of the same data recipes are the benchmarks; split.json records it)
+    regenerate   the target answers every prompt, greedy (resumable)
+    tokenize     chat template + loss masks, with a train/eval split
+    token_table  PCA-whitened token codes of the target's lm_head
+    features     the target's context features of every row, cached once (the costly forward)
+    train        `train.py recipe=qwen2.5_coder_0.5b` on the cached features (DeepSpeed)
+    export       check the exported draft loads and copy it to <out>/draft
+    evaluate     the engine on held-out prompts: tau, per-position acceptance, tokens/s
+                 speculative vs plain decoding, lossless check (the evaluation harness)
+
+Everything lands under `--out` (default artifacts/demo, git-ignored); the final table is also
+written to <out>/demo_report.md. A stage that fails prints why and the demo exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
+
+STAGES = ("target", "prompts", "regenerate", "tokenize", "token_table", "features", "train",
+          "export", "evaluate")
+
+
+class DemoError(RuntimeError):
+    """A stage cannot run or failed; the message says which and why."""
+
+
+# ---------------------------------------------------------------------------------- arguments
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = p.add_argument_group("what to run")
+    run.add_argument("--out", type=Path, default=REPO / "artifacts" / "demo",
+                     help="directory of every demo artifact (default: artifacts/demo)")
+    run.add_argument("--stages", default="all",
+                     help=f"comma-separated stages to run, or all ({', '.join(STAGES)})")
+    run.add_argument("--force", default="",
+                     help="comma-separated stages to redo even if done (or all); later stages "
+                          "follow because their input changed")
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch threads (default: all cores; 1 is faster on a busy machine)")
+    data = p.add_argument_group("data")
+    data.add_argument("--target", type=Path, default=None,
+                      help="use this target directory instead of assembling the embedded one")
+    data.add_argument("--num-prompts", type=int, default=128,
+                      help="training prompts, about half HumanEval and half ShareGPT")
+    data.add_argument("--prompts", type=Path, action="append", default=[],
+                      help="train on these conversation files instead (JSONL/JSON rows with "
+                           "messages or conversations, as data_prep reads them; repeatable)")
+    data.add_argument("--max-prompt-chars", type=int, default=1500,
+                      help="leave out longer prompts (CPU time grows with length)")
+    data.add_argument("--max-new-tokens", type=int, default=128,
+                      help="tokens the target generates per answer (greedy)")
+    data.add_argument("--regen-batch-size", type=int, default=16,
+                      help="answers generated together (16 measured fastest on 2 cores)")
+    data.add_argument("--eval-fraction", type=float, default=0.1,
+                      help="share of rows in the trainer's eval split (simulated tau)")
+    train = p.add_argument_group("draft training")
+    train.add_argument("--recipe", default="qwen2.5_coder_0.5b", help="train.py recipe")
+    train.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    train.add_argument("--draft-layers", type=int, default=2)
+    train.add_argument("--block-size", type=int, default=8)
+    train.add_argument("--num-anchors", type=int, default=16, help="blocks per sequence")
+    train.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
+                       help="extra Hydra override for train.py and the feature cache")
+    ev = p.add_argument_group("evaluation")
+    ev.add_argument("--bench", default="humaneval,sharegpt",
+                    help="benchmarks: humaneval, sharegpt (held-out parts) or JSONL paths")
+    ev.add_argument("--eval-prompts", type=int, default=6, help="prompts per benchmark")
+    ev.add_argument("--eval-max-new-tokens", type=int, default=64)
+    ev.add_argument("--temperatures", default="0,1")
+    ev.add_argument("--num-draft-tokens", default="full,3",
+                    help="values of g (drafts verified per round) to compare, full = block - 1; "
+                         "the first runs at every temperature, the others at the first only")
+    return p
+
+
+def parse_list(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+    """A comma-separated stage list; `all` means every stage."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if items == ["all"]:
+        return list(known)
+    unknown = [s for s in items if s not in known]
+    if unknown:
+        raise DemoError(f"{flag}: unknown stage(s) {unknown}; stages are {', '.join(known)}")
+    return items
+
+
+# ---------------------------------------------------------------------------------- stage records
+@dataclass
+class Demo:
+    """Paths and settings shared by the stages."""
+
+    args: argparse.Namespace
+    out: Path
+    target: Path
+
+    @property
+    def stages_dir(self) -> Path:
+        return self.out / "stages"
+
+    def path(self, *parts: str) -> Path:
+        return self.out.joinpath(*parts)
+
+    def marker(self, stage: str) -> dict[str, Any] | None:
+        """The record of a finished stage, or None."""
+        try:
+            return json.loads((self.stages_dir / f"{stage}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def fingerprint(settings: dict[str, Any], upstream: list[dict[str, Any]]) -> str:
+    """Hash of a stage's settings and the runs of the stages it reads."""
+    payload = json.dumps({"settings": settings, "upstream": [m["run_id"] for m in upstream]},
+                         sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON through a temporary file, so a record is never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def subprocess_env(args: argparse.Namespace) -> dict[str, str]:
+    """Offline, no wandb upload, the shared DeepSpeed op build, the chosen thread count."""
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    env.setdefault("WANDB_MODE", "offline")
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return env
+
+
+def run_logged(command: list[str], log: Path, env: dict[str, str]) -> None:
+    """Run `command`, showing its output (progress bars included) and saving it to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("$ " + " ".join(command), flush=True)
+    with open(log, "wb") as saved:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        assert proc.stdout is not None
+        while chunk := proc.stdout.read1(4096):
+            saved.write(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+        code = proc.wait()
+    if code != 0:
+        tail = log.read_bytes()[-2000:].decode("utf-8", "replace")
+        raise DemoError(f"`{' '.join(command[:3])} ...` exited {code}; log: {log}\n{tail}")
+
+
+# ---------------------------------------------------------------------------------- stages
+def stage_target(demo: Demo) -> dict[str, Any]:
+    """Assemble (or check) the target; the run id is the target's identity, not a fresh id."""
+    if demo.args.target is not None:
+        if not (demo.target / "config.json").is_file():
+            raise DemoError(f"--target {demo.target}: no config.json (not a model directory)")
+        identity = (demo.target / "config.json").read_text()
+        identity += str(sorted((p.name, p.stat().st_size)
+                               for p in demo.target.glob("*.safetensors")))
+        return {"target": str(demo.target),
+                "run_id": hashlib.sha256(identity.encode()).hexdigest()[:16]}
+    from data_prep.default_target import AssemblyError, assemble_default_target, read_assembly
+
+    try:
+        path = assemble_default_target(demo.target)
+    except AssemblyError as err:
+        raise DemoError(str(err)) from err
+    record = read_assembly(path) or {}
+    identity = ":".join(str(record.get(k)) for k in ("gguf_sha256", "dtype", "conversion_version"))
+    return {"target": str(path), "assembly": record,
+            "run_id": hashlib.sha256(identity.encode()).hexdigest()[:16]}
+
+
+def stage_prompts(demo: Demo) -> dict[str, Any]:
+    """Training prompts: train parts of HumanEval + ShareGPT (or the --prompts files)."""
+    from data_prep.config import SourceConfig, SourcePart
+    from data_prep.sources import load_source, stable_subset
+    from dspine_train.eval_harness import builtin_source, prompt_chars, prompt_messages
+
+    args = demo.args
+    chosen: list[dict[str, Any]] = []
+    split: dict[str, Any] = {}
+
+    def take(name: str, config: SourceConfig, count: int) -> None:
+        rows = load_source(config).rows
+        rows = [{"id": r["id"], "messages": prompt_messages(r)} for r in rows]
+        rows = [r for r in rows if prompt_chars(r["messages"]) <= args.max_prompt_chars]
+        picked = stable_subset(rows, count, config.seed)  # type: ignore[arg-type]
+        chosen.extend(picked)
+        split[name] = {"part": str(config.part), "heldout_fraction": config.heldout_fraction,
+                       "split_seed": config.seed, "split_salt": "heldout",
+                       "eligible": len(rows), "used": len(picked),
+                       "train_ids": [r["id"] for r in picked]}
+
+    if args.prompts:
+        take("files", SourceConfig(paths=[str(p) for p in args.prompts], part=SourcePart.all),
+             args.num_prompts)
+    else:
+        humaneval = builtin_source("humaneval", SourcePart.train)
+        take("humaneval", humaneval, args.num_prompts // 2)
+        take("sharegpt", builtin_source("sharegpt", SourcePart.train),
+             args.num_prompts - len(chosen))
+        for name in ("humaneval", "sharegpt"):
+            heldout = load_source(builtin_source(name, SourcePart.heldout)).rows
+            split[name]["heldout_ids"] = [r["id"] for r in heldout]
+    if not chosen:
+        raise DemoError("no training prompt left after the length filter "
+                        f"(--max-prompt-chars {args.max_prompt_chars})")
+    path = demo.path("data", "prompts.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in chosen))
+    write_json(demo.path("data", "split.json"), split)
+    return {"prompts": len(chosen), "by_source": {k: v["used"] for k, v in split.items()}}
+
+
+def stage_regenerate(demo: Demo) -> dict[str, Any]:
+    """The target answers each prompt greedily (so the trainer's simulated tau is exact)."""
+    from data_prep.config import (
+        DataConfig,
+        LocalBackendConfig,
+        RegenerateConfig,
+        SamplingConfig,
+        SourceConfig,
+        SourcePart,
+    )
+    from data_prep.regenerate import run_regeneration, summary_line
+
+    args = demo.args
+    data = DataConfig(
+        source=SourceConfig(paths=[str(demo.path("data", "prompts.jsonl"))], part=SourcePart.all),
+        regenerate=RegenerateConfig(
+            local=LocalBackendConfig(model_path=str(demo.target),
+                                     batch_size=args.regen_batch_size),
+            sampling=SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens),
+            output_dir=str(demo.path("data", "regenerated")), shard_size=32,
+            flush_interval_s=60.0))
+    report = run_regeneration(data)
+    print(summary_line(report))
+    if report["done"] == 0:
+        raise DemoError(f"regeneration produced no row; see {data.regenerate.output_dir}")
+    return {k: report[k] for k in ("input", "done", "failed", "skipped", "completion_tokens")}
+
+
+def stage_tokenize(demo: Demo) -> dict[str, Any]:
+    """Chat template + loss masks -> train/eval token datasets."""
+    from transformers import AutoTokenizer
+
+    from data_prep.shards import shard_paths
+    from data_prep.tokenize import tokenize_files
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo.target))
+    report = tokenize_files(shard_paths(demo.path("data", "regenerated")), tokenizer,
+                            demo.path("data", "tokenized"), max_length=1024,
+                            eval_fraction=demo.args.eval_fraction, seed=0)
+    if report["eval_rows"] == 0:
+        raise DemoError("the eval split is empty; raise --eval-fraction or --num-prompts")
+    return {k: report[k] for k in ("kept", "dropped", "train_rows", "eval_rows", "tokens",
+                                   "supervised_tokens")}
+
+
+def stage_token_table(demo: Demo) -> dict[str, Any]:
+    """The token codes of the target's lm_head at the recipe's transfer_dim."""
+    from dspine_train.token_table import TokenTableConfig, build_from_config
+
+    transfer_dim = train_config(demo).model.transfer_dim
+    table = build_from_config(TokenTableConfig(target=str(demo.target),
+                                               out=str(demo.path("token_table.safetensors")),
+                                               transfer_dim=transfer_dim), progress=True)
+    return {"transfer_dim": table.transfer_dim,
+            "explained_variance": table.metadata["explained_variance_ratio"]}
+
+
+def stage_features(demo: Demo) -> dict[str, Any]:
+    """The target's context features of every row, once (`python -m data_prep.cache_features`)."""
+    shutil.rmtree(demo.path("features"), ignore_errors=True)
+    run_logged([sys.executable, "-m", "data_prep.cache_features", *train_overrides(demo)],
+               demo.path("logs", "features.log"), subprocess_env(demo.args))
+    return {"bytes": sum(p.stat().st_size for p in demo.path("features").rglob("*") if p.is_file())}
+
+
+def stage_train(demo: Demo, resume: bool) -> dict[str, Any]:
+    """`python train.py` on the cached features; resumes an interrupted run of the same stage."""
+    overrides = train_overrides(demo)
+    if resume:
+        overrides.append("checkpoint.resume_from=latest")
+    run_logged([sys.executable, "train.py", *overrides], demo.path("logs", "train.log"),
+               subprocess_env(demo.args))
+    info = json.loads(demo.path("train", "final", "training_info.json").read_text())
+    return {"simulated_tau": info.get("tau"),
+            "simulated_per_position": info.get("acceptance_by_position"), "steps": info["step"]}
+
+
+def stage_export(demo: Demo) -> dict[str, Any]:
+    """Check the trainer's export loads as a draft for this target; publish it as <out>/draft."""
+    from dspine_train.engine.validation import check_draft_files
+    from dspine_train.modeling import DSpineDraftModel
+
+    final = demo.path("train", "final")
+    check_draft_files(final)
+    draft = DSpineDraftModel.from_pretrained(str(final))
+    tmp = demo.path(".draft.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(final, tmp)
+    shutil.rmtree(demo.path("draft"), ignore_errors=True)
+    tmp.rename(demo.path("draft"))
+    params = sum(p.numel() for p in draft.parameters())
+    return {"draft": str(demo.path("draft")), "parameters": params,
+            "layers": draft.config.num_layers, "block_size": draft.config.block_size}
+
+
+def stage_evaluate(demo: Demo) -> dict[str, Any]:
+    """The harness on held-out prompts for each g; writes results.{json,md}, acceptance.png."""
+    import torch
+
+    from dspine_train.eval_harness import (
+        build_engine,
+        evaluate,
+        load_benchmark,
+        plot_results,
+        results_markdown,
+        save_results,
+    )
+
+    args = demo.args
+    benches = [b.strip() for b in args.bench.split(",") if b.strip()]
+    temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    draft = demo.path("draft")
+    block = json.loads((draft / "config.json").read_text())["block_size"]
+    g_values = []
+    for item in args.num_draft_tokens.split(","):
+        g = block - 1 if item.strip() == "full" else int(item)
+        if not 1 <= g <= block - 1:
+            raise DemoError(f"--num-draft-tokens: {g} is outside 1..{block - 1}")
+        g_values.append(g)
+    loaded = [load_benchmark(b, limit=args.eval_prompts) for b in benches]
+    engine = build_engine(demo.target, draft, loaded, max_new_tokens=args.eval_max_new_tokens,
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    ar_cache: dict = {}  # plain decoding does not depend on g: run it once
+    results = {}
+    for index, g in enumerate(dict.fromkeys(g_values)):
+        # Further values of g only compare speed: the first temperature is enough.
+        temps = temperatures if index == 0 else temperatures[:1]
+        results[f"DSpine g={g}"] = evaluate(
+            demo.target, draft, benches, temps, max_new_tokens=args.eval_max_new_tokens,
+            limit=args.eval_prompts, num_draft_tokens=g, engine=engine, ar_cache=ar_cache)
+    out = demo.path("eval")
+    save_results(results, out / "results.json", metadata={"target": str(demo.target),
+                                                          "draft": str(draft)})
+    (out / "results.md").write_text(results_markdown(results))
+    plot_results(results, out / "acceptance.png")
+    rows = [r for rs in results.values() for r in rs]
+    return {"lossless": all(r.lossless is not False for r in rows),
+            "lossless_checked": sum(r.lossless is not None for r in rows),
+            "results": str(out / "results.json")}
+
+
+# ---------------------------------------------------------------------------------- training config
+def train_overrides(demo: Demo) -> list[str]:
+    """Hydra overrides shared by the feature cache and `train.py`.
+
+    The target layers follow SPEC 1 for the chosen number of draft layers.
+    """
+    from dspine_train.modeling import default_target_layer_ids
+
+    a = demo.args
+    depth = json.loads((demo.target / "config.json").read_text())["num_hidden_layers"]
+    layers = ",".join(str(i) for i in default_target_layer_ids(depth, a.draft_layers))
+    return [f"recipe={a.recipe}", f"output_dir={demo.path('train')}",
+            f"model.target_path={demo.target}",
+            f"model.token_table_path={demo.path('token_table.safetensors')}",
+            f"data.train_path={demo.path('data', 'tokenized')}",
+            f"data.offline_features_dir={demo.path('features')}",
+            f"optim.max_steps={a.steps}", f"model.num_layers={a.draft_layers}",
+            f"model.target_layer_ids=[{layers}]",
+            f"model.block_size={a.block_size}", f"data.num_anchors={a.num_anchors}",
+            "logging.wandb=false", *a.train_override]
+
+
+def train_config(demo: Demo) -> Any:
+    """The composed and validated training config (fails fast on a bad override)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dspine_train.training.config import ConfigError, register_configs, to_train_config
+
+    register_configs()
+    try:
+        with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
+            return to_train_config(compose("config", overrides=train_overrides(demo)))
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        raise DemoError(f"training config (--recipe/--train-override): {err}") from err
+
+
+# ---------------------------------------------------------------------------------- driver
+@dataclass
+class StageSpec:
+    """A stage: what it reads, its settings (the cache key) and what it writes."""
+
+    needs: tuple[str, ...]
+    settings: Callable[[argparse.Namespace], dict[str, Any]]
+    outputs: tuple[str, ...]
+
+
+SPECS: dict[str, StageSpec] = {
+    "target": StageSpec((), lambda a: {"target": str(a.target)}, ()),
+    "prompts": StageSpec(("target",), lambda a: {
+        "num_prompts": a.num_prompts, "files": [str(p) for p in a.prompts],
+        "max_prompt_chars": a.max_prompt_chars}, ("data/prompts.jsonl", "data/split.json")),
+    "regenerate": StageSpec(("prompts",), lambda a: {
+        "max_new_tokens": a.max_new_tokens, "temperature": 0.0}, ("data/regenerated",)),
+    "tokenize": StageSpec(("regenerate",), lambda a: {"eval_fraction": a.eval_fraction,
+                                                       "max_length": 1024},
+                          ("data/tokenized",)),
+    "token_table": StageSpec(("target",), lambda a: {"recipe": a.recipe,
+                                                     "overrides": a.train_override},
+                             ("token_table.safetensors",)),
+    "features": StageSpec(("tokenize", "token_table"), lambda a: {
+        "recipe": a.recipe, "layers": a.draft_layers, "overrides": a.train_override},
+        ("features",)),
+    "train": StageSpec(("features",), lambda a: {
+        "recipe": a.recipe, "steps": a.steps, "layers": a.draft_layers, "block": a.block_size,
+        "anchors": a.num_anchors, "overrides": a.train_override}, ("train",)),
+    "export": StageSpec(("train",), lambda a: {}, ("draft",)),
+    "evaluate": StageSpec(("export",), lambda a: {
+        "bench": a.bench, "prompts": a.eval_prompts, "max_new_tokens": a.eval_max_new_tokens,
+        "temperatures": a.temperatures, "g": a.num_draft_tokens}, ("eval",)),
+}
+
+
+def run_stage(demo: Demo, name: str, force: bool) -> tuple[dict[str, Any], bool]:
+    """Run one stage unless its record matches; return (record, whether it ran)."""
+    spec = SPECS[name]
+    upstream = []
+    for need in spec.needs:
+        marker = demo.marker(need)
+        if marker is None:
+            raise DemoError(f"stage {name} needs stage {need}, which has not run; "
+                            f"run it first (e.g. --stages {need},{name})")
+        upstream.append(marker)
+    key = fingerprint(spec.settings(demo.args), upstream)
+    done = demo.marker(name)
+    if done is not None and done["fingerprint"] == key and not force and name != "target":
+        return done, False
+    started_path = demo.stages_dir / f"{name}.started.json"
+    started = json.loads(started_path.read_text()) if started_path.is_file() else None
+    resume = started is not None and started.get("fingerprint") == key and done is None
+    if not resume:  # other settings or inputs: start from nothing
+        for output in spec.outputs:
+            target = demo.path(output)
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(
+                missing_ok=True)
+    (demo.stages_dir / f"{name}.json").unlink(missing_ok=True)
+    write_json(started_path, {"fingerprint": key})
+    start = time.perf_counter()
+    summary = stage_train(demo, resume) if name == "train" else STAGE_FUNCS[name](demo)
+    record = {"stage": name, "fingerprint": key, "run_id": summary.pop("run_id", uuid.uuid4().hex),
+              "seconds": round(time.perf_counter() - start, 1),
+              "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"), "summary": summary}
+    write_json(demo.stages_dir / f"{name}.json", record)
+    started_path.unlink(missing_ok=True)
+    return record, True
+
+
+STAGE_FUNCS: dict[str, Callable[[Demo], dict[str, Any]]] = {
+    "target": stage_target, "prompts": stage_prompts, "regenerate": stage_regenerate,
+    "tokenize": stage_tokenize, "token_table": stage_token_table, "features": stage_features,
+    "export": stage_export, "evaluate": stage_evaluate,
+}
+
+
+def final_report(demo: Demo, records: dict[str, dict[str, Any]], ran: dict[str, bool]) -> str:
+    """Stage times, the evaluation tables and the trainer's simulated tau, as markdown."""
+    lines = ["## DSpine demo", "", "| stage | seconds | this run | summary |", "|---|---:|---|---|"]
+    for name, record in records.items():
+        summary = {k: v for k, v in record["summary"].items()
+                   if k not in ("simulated_per_position", "assembly")}
+        lines.append(f"| {name} | {record['seconds']} | {'ran' if ran[name] else 'cached'} | "
+                     f"{json.dumps(summary, default=str)[:160]} |")
+    total = sum(r["seconds"] for r in records.values())
+    lines += ["", f"Total stage time: {total:.0f} s ({total / 60:.1f} min), "
+              f"load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores.", ""]
+    train = demo.marker("train")
+    if train and train["summary"].get("simulated_tau") is not None:
+        rates = ", ".join(f"{r:.2f}" for r in train["summary"]["simulated_per_position"] or [])
+        lines += [f"Trainer's simulated tau (held-out rows of the training data, greedy, full "
+                  f"block): {train['summary']['simulated_tau']:.2f}; per position: {rates}", ""]
+    results_md = demo.path("eval", "results.md")
+    if results_md.is_file():
+        lines.append(results_md.read_text())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected stages; 0 on success, 1 with a message on failure."""
+    args = build_parser().parse_args(argv)
+    try:
+        selected = parse_list(args.stages, STAGES, "--stages")
+        forced = set(parse_list(args.force, STAGES, "--force")) if args.force else set()
+        if args.threads is not None and args.threads < 1:
+            raise DemoError("--threads must be >= 1")
+        if args.num_prompts < 2 or args.steps < 1:
+            raise DemoError("--num-prompts must be >= 2 and --steps >= 1")
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        os.environ.update({k: v for k, v in subprocess_env(args).items()
+                           if k.startswith(("HF_", "TRANSFORMERS_", "TOKENIZERS_"))})
+        from data_prep.config import default_target_dir
+
+        out = args.out.resolve()
+        target = (args.target or default_target_dir()).resolve()
+        demo = Demo(args, out, target)
+        if {"token_table", "features", "train"} & set(selected) and (
+                target / "config.json").is_file():
+            train_config(demo)  # a bad recipe or override fails now, not after the data stages
+        records: dict[str, dict[str, Any]] = {}
+        ran: dict[str, bool] = {}
+        for index, name in enumerate(s for s in STAGES if s in selected):
+            print(f"\n[demo] stage {index + 1}/{len(selected)}: {name}", flush=True)
+            records[name], ran[name] = run_stage(demo, name, name in forced)
+            state = "done" if ran[name] else "already done, skipped"
+            print(f"[demo] {name}: {state} ({records[name]['seconds']} s)", flush=True)
+    except KeyboardInterrupt:
+        print("\n[demo] interrupted; rerun the same command to continue", file=sys.stderr)
+        return 130
+    except (DemoError, ValueError, OSError) as err:
+        # The data, harness and engine errors are ValueErrors whose message names the file,
+        # field or stage at fault; anything else is a bug and keeps its traceback.
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 1
+    report = final_report(demo, records, ran)
+    demo.path("demo_report.md").write_text(report)
+    print("\n" + report)
+    print(f"[demo] report: {demo.path('demo_report.md')}")
+    evaluated = records.get("evaluate")
+    if evaluated and not evaluated["summary"]["lossless"]:
+        print("error: speculative output differed from plain decoding at T=0", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""`scripts/ablate.py --smoke`: the whole ablation study on a tiny random target.
+
+One run (a module fixture, ~1 minute on 2 busy cores) trains the four trained variants with
+`train.py` on a shared offline feature cache, derives `dspine_no_tcache`, evaluates every export
+with the evaluation harness and writes the report; the tests read what it left behind. A second
+invocation checks that a rerun skips every finished stage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspine_train.ablation.runner import BUDGET_KEYS
+from dspine_train.ablation.variants import VARIANTS, select_variants
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_STEPS = 8  # scripts/ablate.py's smoke budget
+BLOCK = 8  # the tiny recipe's block size
+BENCHES = ["humaneval", "sharegpt"]
+TEMPERATURES = [0.0, 1.0]
+
+
+def run_ablate(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`python scripts/ablate.py <args>` from the repo root, offline, output captured."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
+               TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
+        env.pop(key, None)  # a launcher's world must not leak into the trainer runs
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "ablate.py"), *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The smoke study: its directory and its JSON report."""
+    out = tmp_path_factory.mktemp("ablation")
+    check_ok(run_ablate("--smoke", "--out", str(out)))
+    return out, json.loads((out / "ablation.json").read_text())
+
+
+def test_every_variant_trains_and_is_evaluated(smoke: tuple[Path, dict]) -> None:
+    out, report = smoke
+    rows = report["variants"]
+    assert [r["variant"] for r in rows] == list(VARIANTS)
+    for row in rows:
+        assert (out / row["variant"] / "final" / "model.safetensors").is_file()
+        measured = [(r["bench"], r["temperature"]) for r in row["engine"]]
+        assert measured == [(b, t) for b in BENCHES for t in TEMPERATURES], row["variant"]
+        for result in row["engine"]:
+            assert 1.0 <= result["tau"] <= BLOCK
+            assert len(result["per_position"]) == BLOCK - 1
+            assert result["tau"] == pytest.approx(1.0 + sum(result["per_position"]))
+            assert result["num_prompts"] == 2 and result["new_tokens"] > 0
+            # every variant decodes losslessly at temperature 0 (plain decoding runs in smoke)
+            assert result["lossless"] is (True if result["temperature"] == 0 else None)
+        assert 1.0 <= row["simulated"]["tau"] <= BLOCK
+        assert row["final_losses"]["loss"] > 0
+    trained = [r for r in rows if r["trained"]]
+    assert [r["variant"] for r in trained] == ["dflash", "dspine", "dspine_no_cosine",
+                                               "dspine_token_ce"]
+    # each trained variant has its own run (its own metrics), trained to the end
+    for row in trained:
+        metrics = (out / row["variant"] / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(metrics[-1])["step"] == SMOKE_STEPS
+    # only the token-CE variant logs the intermediate CE, only non-DFlash rows the alignment
+    assert {r["variant"] for r in rows if "token_ce_intermediate" in r["final_losses"]} == {
+        "dspine_token_ce"}
+    assert "alignment" not in rows[0]["final_losses"]
+
+
+def test_same_seed_data_and_steps_for_all(smoke: tuple[Path, dict]) -> None:
+    """The budget read back from every run's own saved config is the same for all rows."""
+    _, report = smoke
+    budgets = {tuple(row["run"][k] for k in BUDGET_KEYS) for row in report["variants"]}
+    assert len(budgets) == 1
+    run = report["variants"][0]["run"]
+    assert run["steps"] == SMOKE_STEPS and run["seed"] == 0
+    assert report["meta"]["same_budget"] is True
+    # beyond the budget: the runs' whole saved configs differ only in the variants' switches
+    assert report["meta"]["config_differences"] == []
+    # one feature cache for all, and the derived row points at dspine's run
+    assert len({row["run"]["offline_features_dir"] for row in report["variants"]}) == 1
+    no_tcache = report["variants"][-1]
+    assert no_tcache["reuse"] == "dspine" and no_tcache["run"]["dir"].endswith("dspine")
+
+
+def test_variant_switches_reach_the_exports(smoke: tuple[Path, dict]) -> None:
+    out, _ = smoke
+
+    def config(name: str) -> dict:
+        return json.loads((out / name / "final" / "config.json").read_text())
+
+    assert config("dflash")["injection"] is False
+    assert config("dflash")["block_attention"] == "bidirectional"
+    assert config("dspine")["injection"] is True and config("dspine")["transition_cache"] is True
+    assert config("dspine")["block_attention"] == "causal"
+    assert config("dspine_no_cosine")["alignment_weight"] == 0.0
+    assert config("dspine_token_ce")["token_ce_intermediate"] is True
+    assert config("dspine_no_tcache")["transition_cache"] is False
+    # the derived export decodes dspine's weights: the very same file
+    derived = (out / "dspine_no_tcache" / "final" / "model.safetensors").read_bytes()
+    assert derived == (out / "dspine" / "final" / "model.safetensors").read_bytes()
+
+
+def test_simulated_tau_reproduces_the_trainer(smoke: tuple[Path, dict]) -> None:
+    """The offline re-evaluation equals the trainer's own end-of-run evaluation."""
+    _, report = smoke
+    for row in report["variants"]:
+        if row["trained"]:
+            assert row["simulated"]["tau"] == pytest.approx(row["trainer_sim_tau"], abs=1e-9)
+        else:
+            assert row["trainer_sim_tau"] is None
+
+
+def test_report_has_one_row_per_variant(smoke: tuple[Path, dict]) -> None:
+    out, report = smoke
+    text = (out / "ablation.md").read_text()
+    main_table = text.split("\n\n")[3].splitlines()  # title, bullets, legend, then the table
+    assert main_table[0].startswith("| variant | trained |")
+    assert [line.split("|")[1].strip() for line in main_table[2:]] == [f"`{v}`" for v in VARIANTS]
+    assert report["meta"]["git_commit"] in text
+    assert "scripts/ablate.py --smoke --out" in text
+    assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rerun_skips_finished_variants(smoke: tuple[Path, dict]) -> None:
+    out, _ = smoke
+    exports = {v: out / v / "final" / "model.safetensors" for v in VARIANTS if v != "dspine_no_tcache"}
+    before = {v: p.stat().st_mtime_ns for v, p in exports.items()}
+    proc = run_ablate("--smoke", "--out", str(out), timeout=120)
+    check_ok(proc)
+    for variant in exports:
+        assert f"[ablate] {variant}: export exists, skipping training" in proc.stdout
+    for variant in VARIANTS:
+        assert f"[ablate] {variant}: evaluation exists, skipping" in proc.stdout
+    assert {v: p.stat().st_mtime_ns for v, p in exports.items()} == before
+
+
+def test_other_steps_in_the_same_directory_are_refused(smoke: tuple[Path, dict]) -> None:
+    """A finished directory is never reused for another budget (nor overwritten)."""
+    out, _ = smoke
+    proc = run_ablate("--smoke", "--out", str(out), "--steps", "5", "--variants", "dflash",
+                      timeout=120)
+    assert proc.returncode == 1
+    assert f"{out / 'dflash'} was trained with other arguments" in proc.stderr
+
+
+def _ablate_module():
+    spec = importlib.util.spec_from_file_location("ablate_script", REPO / "scripts" / "ablate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_unknown_variant_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="unknown variant.*'dspine_nope'"):
+        select_variants(["dspine_nope"])
+    # a derived variant brings the variant it reuses
+    assert [v.name for v in select_variants(["dspine_no_tcache"])] == ["dspine",
+                                                                       "dspine_no_tcache"]
+    ablate = _ablate_module()
+    with pytest.raises(SystemExit) as exit_info:
+        ablate.parse_args(["--variants", "dflash,dspine_nope"])
+    assert exit_info.value.code != 0
+    assert "dspine_nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ablate.parse_args(["--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err
