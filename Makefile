@@ -17,13 +17,13 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch pinned in the same command as deepspeed, or deepspeed pulls a CUDA torch.
-	$(PIP) install --quiet torch==2.13.0 -e ".[dev]"
+	$(PIP) install --quiet torch==2.13.0 -e ".[dev,prompts]"
 	touch $@
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed-demo: $(VENV)/.installed
-	$(PIP) install --quiet torch==2.13.0 -e ".[dev,demo]"
+	$(PIP) install --quiet torch==2.13.0 -e ".[dev,prompts,demo]"
 	touch $@
 
 install-demo: $(VENV)/.installed-demo

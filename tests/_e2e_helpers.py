@@ -21,7 +21,7 @@ SPARE_IDS = 8  # vocabulary rows no token uses (the draft takes the first as its
 NUM_LAYERS = 6  # two draft layers read target layers 1 and 3 (SPEC 1: round(1 + i*(L-4)))
 
 
-def build_chat_target(path: Path, seed: int = 0) -> Path:
+def build_chat_target(path: Path, seed: int = 0, initializer_range: float = 0.3) -> Path:
     """Save the tiny chat target (model + tokenizer + generation config) to `path`."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -33,7 +33,7 @@ def build_chat_target(path: Path, seed: int = 0) -> Path:
         vocab_size=len(tokenizer) + SPARE_IDS, max_position_embeddings=512,
         # A wide init makes next-token distributions peaked, as a trained model's are; a
         # near-uniform target would leave greedy decoding at the mercy of rounding.
-        initializer_range=0.3, tie_word_embeddings=False,
+        initializer_range=initializer_range, tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = Qwen3ForCausalLM(config).eval()
     model.generation_config = GenerationConfig(

@@ -130,8 +130,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         taus = [engine[k]["tau"] for k in keys if k in engine]
         sim = row["simulated"]["tau"] if row["simulated"] else None
         trained = "yes" if row["trained"] else f"no ({row['reuse']}'s weights)"
-        minutes = row["train_wall_s"] / 60 if row["trained"] and row["train_wall_s"] else None
-        cells = [f"`{row['variant']}`", trained, _fmt(minutes, 1), _fmt(losses.get("loss")),
+        minutes = _fmt(row["train_wall_s"] / 60, 1) if row["trained"] and row["train_wall_s"] \
+            else "-"
+        if row["trained"] and row.get("resumed_from_step"):
+            minutes += f" (resumed at step {row['resumed_from_step']})"
+        cells = [f"`{row['variant']}`", trained, minutes, _fmt(losses.get("loss")),
                  _fmt(losses.get("backbone_ce")), _fmt(losses.get("top1_acc")), _fmt(sim),
                  *[_fmt(engine[k]["tau"]) if k in engine else "-" for k in keys],
                  _fmt(sum(taus) / len(taus) if taus else None)]

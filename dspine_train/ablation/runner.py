@@ -153,7 +153,8 @@ def run_logged(args: Sequence[str], log_path: Path, what: str, echo: bool = True
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, *args]
-    with log_path.open("wb") as log:
+    # Appended: a resumed stage keeps the log of its interrupted session.
+    with log_path.open("ab") as log:
         log.write(f"$ {subprocess.list2cmdline(command)}\n".encode())
         log.flush()
         if not echo:
@@ -210,11 +211,18 @@ def train_variant(
         return False
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / REQUEST_FILE).write_text(json.dumps({"train_arguments": arguments}, indent=2))
-    print(f"[ablate] {variant.name}: training {settings.steps} steps ({variant.description})")
+    from ..training.checkpointing import STATE_FILE, complete_checkpoints
+
+    # An interrupted run resumes from its last checkpoint (`checkpoint.resume_from=latest`).
+    done = complete_checkpoints(run_dir / "checkpoints")
+    resumed = json.loads((done[-1] / STATE_FILE).read_text())["step"] if done else 0
+    print(f"[ablate] {variant.name}: training {settings.steps} steps ({variant.description})"
+          + (f", resuming at step {resumed}" if resumed else ""))
     start = time.perf_counter()
     run_logged(["train.py", *arguments], run_dir / "train.log", f"training {variant.name}", echo)
-    timing = {"train_wall_s": time.perf_counter() - start, "side_by_side": side_by_side,
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    # the wall time of this session: the steps from `resumed_from_step` on
+    timing = {"train_wall_s": time.perf_counter() - start, "resumed_from_step": resumed,
+              "side_by_side": side_by_side, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     print(f"[ablate] {variant.name}: trained in {timing['train_wall_s']:.0f} s")
     (run_dir / "timing.json").write_text(json.dumps(timing, indent=2))
     return True
@@ -383,6 +391,7 @@ def collect_row(
             "precision": config.precision.value,
         },
         "train_wall_s": timing.get("train_wall_s"),
+        "resumed_from_step": timing.get("resumed_from_step", 0),
         "final_losses": final_losses(history, config.optim.max_steps),
         # the trainer evaluated the source variant's decode, not a derived one's
         "trainer_sim_tau": trainer_tau[-1] if trainer_tau and variant.trained else None,
