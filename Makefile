@@ -39,8 +39,11 @@ test: install
 demo: install-demo
 	$(PY) scripts/demo.py
 
+# Benchmarks that need no real model; bench_data.py and bench_engine.py run on the demo's
+# target and draft (`make demo` first, then see their --help).
 bench: install
 	$(PY) scripts/bench_token_table.py
+	$(PY) scripts/bench_train.py
 
 clean:
 	rm -rf .cache artifacts outputs multirun
