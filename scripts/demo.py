@@ -17,7 +17,8 @@ unless its settings, an earlier stage, or `--force` changed):
     train        `train.py recipe=qwen2.5_coder_0.5b` on the cached features (DeepSpeed)
     export       check the exported draft loads and copy it to <out>/draft
     evaluate     the engine on held-out prompts: tau, per-position acceptance, tokens/s
-                 speculative vs plain decoding, lossless check (the evaluation harness)
+                 speculative vs plain decoding and the lossless check at temperature 0, tau
+                 and per-position acceptance when sampling (the evaluation harness)
 
 Everything lands under `--out` (default artifacts/demo, git-ignored); the final table is also
 written to <out>/demo_report.md. A stage that fails prints why and the demo exits 1.
@@ -92,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = p.add_argument_group("evaluation")
     ev.add_argument("--bench", default="humaneval,sharegpt",
                     help="benchmarks: humaneval, sharegpt (held-out parts) or JSONL paths")
-    ev.add_argument("--eval-prompts", type=int, default=6, help="prompts per benchmark")
-    ev.add_argument("--eval-max-new-tokens", type=int, default=64)
+    ev.add_argument("--eval-prompts", type=int, default=4, help="prompts per benchmark")
+    ev.add_argument("--eval-max-new-tokens", type=int, default=48)
     ev.add_argument("--temperatures", default="0,1")
     ev.add_argument("--num-draft-tokens", default="full,3",
                     help="values of g (drafts verified per round) to compare, full = block - 1; "
@@ -123,9 +124,11 @@ class Demo:
 
     @property
     def stages_dir(self) -> Path:
+        """Where the stage records live."""
         return self.out / "stages"
 
     def path(self, *parts: str) -> Path:
+        """A path under the demo's output directory."""
         return self.out.joinpath(*parts)
 
     def marker(self, stage: str) -> dict[str, Any] | None:
@@ -371,11 +374,19 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
     ar_cache: dict = {}  # plain decoding does not depend on g: run it once
     results = {}
     for index, g in enumerate(dict.fromkeys(g_values)):
-        # Further values of g only compare speed: the first temperature is enough.
+        # Further values of g only compare speed: the first temperature is enough. Plain
+        # decoding (speed baseline, lossless check) runs greedy only: its speed does not
+        # depend on the temperature, and sampled outputs are not comparable token by token.
         temps = temperatures if index == 0 else temperatures[:1]
-        results[f"DSpine g={g}"] = evaluate(
-            demo.target, draft, benches, temps, max_new_tokens=args.eval_max_new_tokens,
-            limit=args.eval_prompts, num_draft_tokens=g, engine=engine, ar_cache=ar_cache)
+        rows = []
+        for greedy in (True, False):
+            chosen = [t for t in temps if (t == 0) == greedy]
+            if chosen:
+                rows += evaluate(demo.target, draft, benches, chosen,
+                                 max_new_tokens=args.eval_max_new_tokens,
+                                 limit=args.eval_prompts, num_draft_tokens=g, engine=engine,
+                                 measure_ar=greedy, ar_cache=ar_cache)
+        results[f"DSpine g={g}"] = rows
     out = demo.path("eval")
     save_results(results, out / "results.json", metadata={"target": str(demo.target),
                                                           "draft": str(draft)})

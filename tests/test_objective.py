@@ -149,3 +149,28 @@ def test_loss_goes_down_when_training(target):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     # the zero-initialised writes have learned something
     assert any(w.weight.abs().sum() > 0 for w in draft.injection.writes)
+
+
+def test_distillation_target_is_the_targets_own_distribution():
+    """p_target comes from the target's normed final state through its head, unchanged.
+
+    The target's final norm is scaled like a real model's (its gains are far from 1), so
+    passing the state through the draft's norm again would change p_target.
+    """
+    from dspine_train.objective import _vocab_terms
+
+    target = tiny_target(seed=5)
+    with torch.no_grad():
+        target.model.norm.weight.mul_(6.0)
+    draft = tiny_draft(target, seed=5)
+    ids, _ = _batch(seed=5)
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    final = out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1])
+    expected = torch.softmax(out.logits.reshape(-1, out.logits.shape[-1]).float(), dim=-1)
+    hidden = torch.randn(final.shape, generator=torch.Generator().manual_seed(0))
+    labels = ids.reshape(-1)
+    _, l1, _, cand, p_cand = _vocab_terms(draft, hidden, final, labels, k=6)
+    torch.testing.assert_close(p_cand, expected.gather(-1, cand), rtol=1e-4, atol=1e-6)
+    draft_p = torch.softmax(draft.logits(hidden).float(), dim=-1)
+    torch.testing.assert_close(l1, (draft_p - expected).abs().sum(-1), rtol=1e-4, atol=1e-5)

