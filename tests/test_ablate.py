@@ -140,8 +140,15 @@ def test_rerun_skips_finished_variants(smoke: tuple[Path, dict]) -> None:
     out, _ = smoke
     exports = {v: out / v / "final" / "model.safetensors" for v in VARIANTS if v != "dspine_no_tcache"}
     before = {v: p.stat().st_mtime_ns for v, p in exports.items()}
-    proc = run_ablate("--smoke", "--out", str(out), timeout=120)
+    # Naming the feature cache explicitly and a report stem with dots of its own ("qwen2.5")
+    # must not change what is reused; the report keeps the whole stem and records the paths.
+    stem = out / "report_qwen2.5-0.5b"
+    proc = run_ablate("--smoke", "--out", str(out), "--features", str(out / "features"),
+                      "--report", str(stem), timeout=120)
     check_ok(proc)
+    report = json.loads(stem.with_name(stem.name + ".json").read_text())
+    assert report["meta"]["settings"]["features_override"] == str(out / "features")
+    assert stem.with_name(stem.name + ".md").is_file()
     for variant in exports:
         assert f"[ablate] {variant}: export exists, skipping training" in proc.stdout
     for variant in VARIANTS:

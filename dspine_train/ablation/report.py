@@ -216,9 +216,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_report(rows: list[dict[str, Any]], meta: dict[str, Any], stem: Path) -> list[Path]:
-    """`<stem>.md`, `<stem>.json` and `<stem>.png`; returns the paths."""
+    """`<stem>.md`, `<stem>.json` and `<stem>.png`; returns the paths.
+
+    The extensions are appended, so a stem with dots of its own ("qwen2.5") keeps them.
+    """
     stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [stem.with_suffix(".md"), stem.with_suffix(".json"), stem.with_suffix(".png")]
+    paths = [stem.with_name(stem.name + ext) for ext in (".md", ".json", ".png")]
     paths[0].write_text(markdown(rows, meta))
     paths[1].write_text(json.dumps({"meta": meta, "variants": rows}, indent=2) + "\n")
     plot(rows, paths[2])

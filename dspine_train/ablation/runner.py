@@ -351,9 +351,8 @@ def harness_evaluator(target: str, settings: AblationSettings) -> Callable[[Path
 
 def settings_record(settings: AblationSettings) -> dict[str, Any]:
     """The settings as JSON-ready values."""
-    record = asdict(settings)
-    record["out_dir"] = str(settings.out_dir)
-    return record
+    return {key: str(value) if isinstance(value, Path) else value
+            for key, value in asdict(settings).items()}
 
 
 def collect_row(
