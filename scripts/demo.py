@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--eval-prompts", type=int, default=4, help="prompts per benchmark")
     ev.add_argument("--eval-max-new-tokens", type=int, default=48)
     ev.add_argument("--temperatures", default="0,1")
-    ev.add_argument("--num-draft-tokens", default="full,3",
+    ev.add_argument("--num-draft-tokens", default="full",
                     help="values of g (drafts verified per round) to compare, full = block - 1; "
                          "the first runs at every temperature, the others at the first only")
     return p
