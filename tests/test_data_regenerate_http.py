@@ -131,8 +131,11 @@ def _start_cli(inputs, output_dir, url):
                "data.regenerate.http.max_in_flight=2", "data.regenerate.shard_size=3",
                f"hydra.run.dir={output_dir.parent / 'hydra'}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # A shell runs background jobs with SIGINT ignored, and a child inherits that: give the CLI
+    # the default disposition, so Python turns the Ctrl-C below into KeyboardInterrupt.
     return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_shards(output_dir, count, process, timeout=60.0):
