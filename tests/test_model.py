@@ -321,3 +321,20 @@ class TestConfig:
     def test_missing_mask_id_source_is_an_error(self, target):
         with pytest.raises(ValueError, match="mask_token_id"):
             DSpineConfig.from_target(target.config)
+
+
+@pytest.mark.parametrize("shape", [(7, 64), (1, 3, 64), (2, 5, 64), (4, 9, 64)])
+def test_vocab_projection_equals_the_linear_head(shape):
+    """The few-row CPU path ((head @ x^T)^T) and F.linear give the same logits and gradients."""
+    from dspine_train.modeling.layers import vocab_projection
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(300, 64, generator=g)
+    x = torch.randn(shape, generator=g, requires_grad=True)
+    out = vocab_projection(x, head)
+    ref = torch.nn.functional.linear(x, head)
+    assert out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), x)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-3)  # grads are O(100)

@@ -21,7 +21,7 @@ from .attention_masks import dense_training_mask, flex_training_mask, inference_
 from .configuration_dspine import DSpineConfig
 from .context_cache import DraftContextCache
 from .injection import AdjacentInjection, predecessor_features
-from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding
+from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding, vocab_projection
 from .transition_cache import (
     WalkResult,
     per_slot_decode,
@@ -177,7 +177,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + the target's lm_head: (..., H) -> (..., V)."""
         _, head = self._require_target()
-        return F.linear(self.norm(hidden), head.to(hidden.dtype))
+        return vocab_projection(self.norm(hidden), head.to(hidden.dtype))
 
     def refined_scores(
         self,
