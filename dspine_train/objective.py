@@ -119,12 +119,9 @@ def _vocab_terms(
         zeros = torch.zeros_like(ce)
         return ce, zeros, correct, cand, torch.zeros(cand.shape, device=cand.device)
     with torch.no_grad():
-        # The target's state is already through the target's final norm: straight into its
-        # lm_head. (`draft.logits` would apply the draft's norm on top, which rescales it and,
-        # for a real target whose final norm is far from 1, flattens p_target to near-uniform.)
-        _, head = draft._require_target()
-        target_logits = F.linear(target_hidden, head.to(target_hidden.dtype))
-        p_target = torch.softmax(target_logits.float(), dim=-1)
+        # Not `draft.logits`: the draft's norm on top of the target's would rescale the state
+        # and, for a real target whose final norm is far from 1, flatten p_target.
+        p_target = torch.softmax(draft.target_logits(target_hidden).float(), dim=-1)
     l1 = (logp.exp() - p_target).abs().sum(-1)
     return ce, l1, correct, cand, p_target.gather(-1, cand)
 

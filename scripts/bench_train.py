@@ -106,7 +106,7 @@ def _make_step(args, device, target, embed, head, table, layer_ids, batch, injec
     draft = DSpineDraftModel(config).to(device)
     draft.init_token_table(table)
     draft.bind_target(embed, head)
-    step = DraftStep(draft, head)
+    step = DraftStep(draft)
     # the replacement curriculum at its start: half the blocks hear the true predecessor
     replace = torch.rand(batch[4].shape, generator=torch.Generator().manual_seed(1)) < 0.5
     replace = replace.to(device)

@@ -233,7 +233,7 @@ def test_offline_features_give_the_online_loss(tiny_assets, tmp_path: Path) -> N
     with torch.no_grad():  # a non-trivial injection, so every input path matters
         for p in draft.injection.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    step = DraftStep(draft, head)
+    step = DraftStep(draft)
     batches = TokenBatches(datasets.load_from_disk(str(tiny_assets["data"]))["train"], 64, 512,
                            "data.train_path")
     extract = TargetFeatureExtractor(target, [1, 2])

@@ -58,7 +58,7 @@ def simulated_acceptance(draft_dir: Path, config: TrainConfig) -> AcceptanceStat
     draft = DSpineDraftModel.from_pretrained(str(draft_dir)).to(dtype).eval()
     embed, head = read_embedding_and_head(config.model.target_path)
     draft.bind_target(embed.to(dtype), head.to(dtype))
-    step = DraftStep(draft, head.to(dtype), config.logits_chunk_size)
+    step = DraftStep(draft, config.logits_chunk_size)
 
     batches = TokenBatches(load_token_dataset(eval_path, d.eval_split, "data.eval_path"),
                            d.max_length, draft.config.vocab_size, "data.eval_path")

@@ -179,6 +179,14 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         _, head = self._require_target()
         return vocab_projection(self.norm(hidden), head.to(hidden.dtype))
 
+    def target_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """The target's own logits from its final *normed* state: (..., H) -> (..., V).
+
+        Only the bound head, no draft norm: the state is already through the target's final norm.
+        """
+        _, head = self._require_target()
+        return F.linear(state, head.to(state.dtype))
+
     def refined_scores(
         self,
         pre: torch.Tensor,

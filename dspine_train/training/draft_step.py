@@ -8,7 +8,6 @@ norm and the injection writes outside the draft's own forward).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..modeling import DSpineDraftModel
@@ -19,15 +18,13 @@ from .evaluation import accepted_prefix, block_counts
 class DraftStep(nn.Module):
     """`forward(...)` -> (loss, metrics) for training, or acceptance counts with `evaluate=True`.
 
-    head_weight (V, H) is the target's frozen lm_head (the same tensor bound into the draft),
-    used for the target's greedy tokens during evaluation; it is not a parameter or buffer.
+    The draft must be bound to the target (its head also gives the target's greedy tokens
+    during evaluation).
     """
 
-    def __init__(self, draft: DSpineDraftModel, head_weight: torch.Tensor,
-                 logits_chunk_size: int = 1024) -> None:
+    def __init__(self, draft: DSpineDraftModel, logits_chunk_size: int = 1024) -> None:
         super().__init__()
         self.draft = draft
-        self._head = head_weight
         self.logits_chunk_size = logits_chunk_size
 
     def forward(
@@ -99,7 +96,7 @@ class DraftStep(nn.Module):
                 continue
             draft_tokens.append(walk.tokens)
             states = final_hidden[batch_idx[b, a], pred_pos[b, a]]  # (n, Bk-1, H)
-            target_tokens.append(F.linear(states, self._head.to(states.dtype)).argmax(-1))
+            target_tokens.append(draft.target_logits(states).argmax(-1))
         prefix = accepted_prefix(
             torch.cat(draft_tokens), torch.cat(target_tokens),
             out.labels.reshape(-1, bk - 1), supervised.reshape(-1, bk - 1),

@@ -117,7 +117,7 @@ class Trainer:
         dtype = torch.bfloat16 if cfg.precision.value == "bf16" else torch.float32
         draft.to(device=acc.device, dtype=dtype)
         draft.bind_target(embed.to(dtype), head.to(dtype))
-        self.step_module = DraftStep(draft, head.to(dtype), cfg.logits_chunk_size)
+        self.step_module = DraftStep(draft, cfg.logits_chunk_size)
 
     def _setup_data(self) -> None:
         cfg, inputs = self.config, self.inputs
