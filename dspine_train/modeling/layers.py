@@ -52,6 +52,16 @@ class DSpineRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = self.compute_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        # `draft.to(torch.bfloat16)` would round `inv_freq` to bf16: at theta 1e6 that moves the
+        # angle at position ~4000 by radians. Module casts move the buffer to the new device but
+        # keep it float32 (the values are the fp32 ones, re-read after the move).
+        fp32 = self.inv_freq.float()
+        super()._apply(fn, recurse)
+        moved = self.inv_freq
+        self.inv_freq = moved.float() if fp32.is_meta else fp32.to(moved.device)
+        return self
+
     @staticmethod
     def compute_inv_freq(config: DSpineConfig) -> tuple[torch.Tensor, float]:
         params = config.rope_parameters or {}
