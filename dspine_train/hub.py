@@ -12,10 +12,15 @@ An export directory (written by the trainer's export step) holds:
                           k-1 is the share of blocks whose first k drafted tokens were accepted), and
                           any other scalar entries (temperature, num_prompts, ...), all shown
     training_info.json    optional; "recipe" (str) and "dataset" (str or list of str)
-    (token table and any other files are uploaded as they are)
+    (token table and any other files are uploaded as they are; dotfiles and dot-folders never)
 
 The model card reports only what these files say; a missing measurement is written as
-"not measured", never estimated.
+"not measured", never estimated. Local absolute paths (a target or data file on this machine)
+appear in the card by their last component only.
+
+Every HTTP request of the upload gives up after `timeout` seconds without progress (the Hub
+client's own default is to wait forever), so an endpoint that never answers fails with a
+`HubError` instead of hanging.
 """
 
 from __future__ import annotations
@@ -23,15 +28,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi, ModelCardData
+import httpx2  # huggingface_hub's HTTP backend: its timeout and transport errors
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, set_client_factory
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.utils._http import default_client_factory
 from safetensors import SafetensorError, safe_open
 
 CONFIG_FILE = "config.json"
@@ -42,16 +50,21 @@ TRAINING_INFO_FILE = "training_info.json"
 CARD_FILE = "README.md"
 CARD_TAGS = ["speculative-decoding", "dspine", "draft-model"]
 LIBRARY_NAME = "dspine-train"
-# Folders never uploaded (and never listed by the dry run): VCS and local caches.
-EXCLUDED_DIRS = (".git", ".cache")
-UPLOAD_IGNORE_PATTERNS = [f"{name}/**" for name in EXCLUDED_DIRS]
+DEFAULT_TIMEOUT_S = 60.0  # seconds one HTTP request may go without progress
 
 NOT_MEASURED = "not measured"
 NOT_RECORDED = "not recorded"
+# A POSIX absolute path (or ~/...) inside free text: not preceded by a word character, a dot,
+# a colon or a slash, so URLs, "org/name" ids and "3/4" are left alone.
+_LOCAL_PATH = re.compile(r"(?<![\w.:/~-])~?(?:/[^\s/`'\"|()<>]+)+/?")
 
 
 class ExportError(ValueError):
     """The export directory is missing a file or holds an invalid one; the message names it."""
+
+
+class HubError(RuntimeError):
+    """The Hub did not answer in time or could not be reached; the message names the endpoint."""
 
 
 @dataclass
@@ -97,9 +110,17 @@ def _weight_files(export_dir: Path) -> list[str]:
         return [WEIGHTS_FILE]
     if not (export_dir / WEIGHTS_INDEX_FILE).is_file():
         raise ExportError(f"{export_dir / WEIGHTS_FILE}: missing (no {WEIGHTS_INDEX_FILE} either)")
-    weight_map = _read_json(export_dir / WEIGHTS_INDEX_FILE).get("weight_map")
+    index_path = export_dir / WEIGHTS_INDEX_FILE
+    weight_map = _read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ExportError(f"{export_dir / WEIGHTS_INDEX_FILE}: no 'weight_map' entries")
+        raise ExportError(f"{index_path}: no 'weight_map' entries")
+    for key, name in weight_map.items():
+        # A shard is a plain file name next to the index: never a path out of the export.
+        if not isinstance(name, str) or not name or Path(name).name != name or name[0] == ".":
+            raise ExportError(
+                f"{index_path}: weight_map[{key!r}] = {name!r} is not a shard file name "
+                "in the export directory"
+            )
     return sorted(set(weight_map.values()))
 
 
@@ -157,13 +178,15 @@ def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
 def upload_files(export_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
     """(relative path, bytes) of every export file `push_export` uploads, sorted.
 
-    The model card is written as README.md just before the upload, replacing any README.md.
+    Dotfiles and anything under a dot-folder (.git, .cache, editor and temp files) are never
+    uploaded. The model card is written as README.md just before the upload, replacing any
+    README.md.
     """
     root = Path(export_dir)
     files = {}
     for item in root.rglob("*"):
         relative = item.relative_to(root)
-        if item.is_file() and not any(part in EXCLUDED_DIRS for part in relative.parts):
+        if item.is_file() and not any(part.startswith(".") for part in relative.parts):
             files[relative.as_posix()] = item.stat().st_size
     return sorted(files.items())
 
@@ -180,12 +203,21 @@ def hub_base_model(name: str | None) -> str | None:
     return name
 
 
+def public_text(text: str) -> str:
+    """`text` with every local absolute path replaced by its last component."""
+
+    def last_component(match: re.Match[str]) -> str:
+        return match.group(0).rstrip("/").rsplit("/", 1)[-1]
+
+    return _LOCAL_PATH.sub(last_component, text)
+
+
 def _format_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, list):
         return ", ".join(_format_value(v) for v in value)
-    return str(value)
+    return public_text(str(value))
 
 
 def _eval_section(eval_results: dict[str, Any] | None) -> list[str]:
@@ -242,24 +274,23 @@ def render_model_card(
     """The README.md of the Hub repository: YAML front matter, then what the export records.
 
     `recipe`, `dataset` and `base_model` override what training_info.json / config.json say.
-    Numbers in the card come only from the export's files.
+    Numbers in the card come only from the export's files. The card is built by
+    huggingface_hub's `ModelCard` from a `ModelCardData` (which validates the metadata and
+    writes the front matter); local absolute paths appear by their last component only.
     """
     config = info.config
     target = base_model or config.get("target_name_or_path")
-    metadata = ModelCardData(
-        library_name=LIBRARY_NAME,
-        tags=list(CARD_TAGS),
-        base_model=base_model or hub_base_model(target),
-    )
+    hub_target = base_model or hub_base_model(target)
+    metadata = ModelCardData(library_name=LIBRARY_NAME, tags=list(CARD_TAGS), base_model=hub_target)
     recorded_recipe = info.training_info.get("recipe")
     recipe = recipe or (recorded_recipe if isinstance(recorded_recipe, str) else None)
-    recipe = recipe or NOT_RECORDED
+    recipe = public_text(recipe) if recipe else NOT_RECORDED
     recorded_data = info.training_info.get("dataset")
     if isinstance(recorded_data, list) and all(isinstance(d, str) for d in recorded_data):
         recorded_data = ", ".join(recorded_data)
     dataset = dataset or (recorded_data if isinstance(recorded_data, str) else None)
-    dataset = dataset or NOT_RECORDED
-    target_text = f"`{target}`" if target else NOT_RECORDED
+    dataset = public_text(dataset) if dataset else NOT_RECORDED
+    target_text = f"`{public_text(target)}`" if target else NOT_RECORDED
     if config.get("target_model_type"):
         target_text += f" ({config['target_model_type']})"
     layer_ids = config.get("target_layer_ids")
@@ -283,12 +314,8 @@ def render_model_card(
             f"({', '.join(info.weight_files)})",
         ),
     ]
-    target_id = target or "TARGET_MODEL"
+    target_id = hub_target or "TARGET_MODEL"  # a local checkpoint is the reader's own
     lines = [
-        "---",
-        metadata.to_yaml(),
-        "---",
-        "",
         f"# {repo_id.split('/')[-1]}",
         "",
         f"A DSpine draft model for lossless speculative decoding with {target_text} as the target. "
@@ -329,7 +356,12 @@ def render_model_card(
         "engine that runs this draft and the benchmark scripts.",
         "",
     ]
-    return "\n".join(lines)
+    # The template only places the body after the front matter ModelCard renders from the
+    # metadata; ModelCard parses the result back, so invalid metadata raises here.
+    card = ModelCard.from_template(
+        metadata, template_str="---\n{{ card_data }}\n---\n\n{{ body }}", body="\n".join(lines)
+    )
+    return str(card)
 
 
 # --------------------------------------------------------------------------- upload
@@ -340,11 +372,30 @@ def write_card(export_dir: str | os.PathLike[str], card: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(card)
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only; a card is meant to be read
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return target
+
+
+def set_request_timeout(seconds: float) -> None:
+    """Make every later HTTP request of huggingface_hub give up after `seconds` without progress.
+
+    The library's client waits forever by default (`timeout=None`); this installs a client
+    factory that keeps the library's own client (offline check, request ids) with a timeout
+    for connecting, each read, each write and getting a pooled connection.
+    """
+    if not (isinstance(seconds, int | float) and math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {seconds!r}")
+
+    def client_with_timeout() -> httpx2.Client:
+        client = default_client_factory()
+        client.timeout = httpx2.Timeout(seconds)
+        return client
+
+    set_client_factory(client_with_timeout)
 
 
 def push_export(
@@ -353,24 +404,42 @@ def push_export(
     card: str,
     *,
     token: str,
-    private: bool = False,
+    private: bool = True,
     commit_message: str = "Upload DSpine draft",
+    endpoint: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
     api_factory: Callable[..., HfApi] | None = None,
 ) -> str:
-    """Create the repo if needed, write the card into the export and upload the folder.
+    """Create the repo if needed, write the card into the export and upload its files.
 
     `private` applies when the repository is created (an existing one keeps its visibility).
-    `api_factory` builds the Hub client (default `HfApi(token=...)`); tests pass a fake.
-    Returns the URL of the commit.
+    The files uploaded are exactly `upload_files(export_dir)` (no dotfiles). `endpoint`
+    defaults to $HF_ENDPOINT / huggingface.co; each request gives up after `timeout` seconds
+    without progress and raises `HubError`. `api_factory` builds the Hub client (default
+    `HfApi(token=..., endpoint=...)`); tests pass a fake. Returns the URL of the commit.
     """
-    api = (api_factory or HfApi)(token=token)
-    repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    write_card(export_dir, card)
-    commit = api.upload_folder(
-        repo_id=getattr(repo_url, "repo_id", None) or repo_id,
-        folder_path=str(export_dir),
-        repo_type="model",
-        commit_message=commit_message,
-        ignore_patterns=UPLOAD_IGNORE_PATTERNS,
-    )
+    set_request_timeout(timeout)
+    api = (api_factory or HfApi)(token=token, endpoint=endpoint)
+    where = endpoint or getattr(api, "endpoint", None) or "the Hub"
+    try:
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        write_card(export_dir, card)
+        root = Path(export_dir)
+        operations = [
+            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name))
+            for name, _ in upload_files(root)
+        ]
+        commit = api.create_commit(
+            repo_id=getattr(repo_url, "repo_id", None) or repo_id,
+            operations=operations,
+            repo_type="model",
+            commit_message=commit_message,
+        )
+    except httpx2.TimeoutException as err:
+        raise HubError(
+            f"{where} did not answer within {timeout:g} s ({type(err).__name__}); "
+            "check the endpoint and the network, or raise --timeout"
+        ) from err
+    except httpx2.TransportError as err:
+        raise HubError(f"cannot reach {where}: {err}") from err
     return str(getattr(commit, "commit_url", None) or commit)

@@ -1,13 +1,16 @@
 """Upload an exported DSpine draft to the Hugging Face Hub with a generated model card.
 
-    python scripts/push_to_hub.py EXPORT_DIR --repo-id ORG/NAME [--private] [--dry-run]
+    python scripts/push_to_hub.py EXPORT_DIR --repo-id ORG/NAME [--public] [--dry-run]
         [--commit-message MSG] [--recipe NAME] [--dataset NAME] [--base-model ORG/TARGET]
+        [--endpoint URL] [--timeout SECONDS]
 
 Checks the export (config.json with model_type "dspine", readable model.safetensors), writes
-README.md (the model card) into it, creates the repository if needed and uploads the folder.
+README.md (the model card) into it, creates the repository if needed (private unless
+`--public`) and uploads the export's files (never dotfiles). Each HTTP request gives up after
+`--timeout` seconds without progress (default 60) with a one-line error and exit status 1.
 `--dry-run` prints the repository, visibility, files and sizes and the card, and touches
 neither the export nor the network. The token comes from $HF_TOKEN or the cached
-`hf auth login`; it is never printed.
+`hf auth login`; it is never printed. The endpoint defaults to $HF_ENDPOINT or huggingface.co.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlparse
 
-from huggingface_hub import get_token
+from huggingface_hub import constants, get_token
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
@@ -39,9 +43,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("export_dir", help="directory written by the trainer's export step")
     parser.add_argument("--repo-id", required=True, help="ORG/NAME of the model repository")
-    parser.add_argument(
-        "--private", action="store_true", help="create the repository private (new repos only)"
+    visibility = parser.add_mutually_exclusive_group()
+    visibility.add_argument(
+        "--public",
+        dest="private",
+        action="store_false",
+        help="create the repository public (default: private; new repos only)",
     )
+    visibility.add_argument(
+        "--private",
+        dest="private",
+        action="store_true",
+        help="create the repository private (the default; kept for old command lines)",
+    )
+    parser.set_defaults(private=True)
     parser.add_argument(
         "--dry-run", action="store_true", help="print the plan; no upload, no writes"
     )
@@ -53,7 +68,31 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--base-model", help="Hub id of the target for the card (default: config.json)"
     )
+    parser.add_argument("--endpoint", help="Hub URL (default: $HF_ENDPOINT or huggingface.co)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=hub.DEFAULT_TIMEOUT_S,
+        help="seconds an HTTP request may go without progress before the upload fails",
+    )
     return parser
+
+
+def _argument_error(args: argparse.Namespace) -> str | None:
+    """The first bad flag value, as a message naming the flag; None when all are usable."""
+    try:
+        validate_repo_id(args.repo_id)
+    except HFValidationError as err:
+        return f"--repo-id {args.repo_id!r}: {err}"
+    if args.base_model is not None and hub.hub_base_model(args.base_model) is None:
+        return f"--base-model {args.base_model!r}: not a Hub model id (ORG/NAME)"
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout {args.timeout}: must be a positive number of seconds"
+    if args.endpoint is not None:
+        url = urlparse(args.endpoint)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            return f"--endpoint {args.endpoint!r}: not an http(s) URL"
+    return None
 
 
 def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | None = None) -> int:
@@ -62,10 +101,9 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
     `api_factory` builds the Hub client (default `huggingface_hub.HfApi`); tests pass a fake.
     """
     args = _parser().parse_args(argv)
-    try:
-        validate_repo_id(args.repo_id)
-    except HFValidationError as err:
-        print(f"push_to_hub.py: error: --repo-id {args.repo_id!r}: {err}", file=sys.stderr)
+    problem = _argument_error(args)
+    if problem:
+        print(f"push_to_hub.py: error: {problem}", file=sys.stderr)
         return 2
     try:
         info = hub.validate_export(args.export_dir)
@@ -87,6 +125,7 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
         print(
             f"repository: {args.repo_id} (model, {'private' if args.private else 'public'} if created)"
         )
+        print(f"endpoint: {args.endpoint or constants.ENDPOINT} (timeout {args.timeout:g} s)")
         print(f"commit message: {args.commit_message}")
         print(f"token: {'found' if token else 'none found (set HF_TOKEN or run `hf auth login`)'}")
         print(f"files ({len(files)}, {_size(sum(files.values()))}):")
@@ -110,10 +149,13 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
             token=token,
             private=args.private,
             commit_message=args.commit_message,
+            endpoint=args.endpoint,
+            timeout=args.timeout,
             api_factory=api_factory,
         )
-    except Exception as err:  # any Hub/network failure: report it without ever echoing the token
-        message = str(err).replace(token, "***")
+    except Exception as err:  # any Hub/network failure (hub.HubError: no answer in time)
+        # One line, and never the token.
+        message = " ".join(str(err).replace(token, "***").split())
         print(f"push_to_hub.py: error: upload to {args.repo_id} failed: {message}", file=sys.stderr)
         return 1
     print(f"uploaded {info.path} to {args.repo_id}: {url}")

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,8 +65,9 @@ class FakeHfApi:
 
     instances: list[FakeHfApi] = []
 
-    def __init__(self, token=None, fail_with: str | None = None):
+    def __init__(self, token=None, endpoint=None, fail_with: str | None = None):
         self.token = token
+        self.endpoint = endpoint
         self.calls: list[tuple[str, dict]] = []
         self.fail_with = fail_with
         self.uploaded_card: str | None = None
@@ -73,9 +79,10 @@ class FakeHfApi:
             raise RuntimeError(self.fail_with)
         return SimpleNamespace(repo_id=repo_id)
 
-    def upload_folder(self, **kwargs):
-        self.calls.append(("upload_folder", kwargs))
-        self.uploaded_card = (Path(kwargs["folder_path"]) / "README.md").read_text()
+    def create_commit(self, **kwargs):
+        self.calls.append(("create_commit", kwargs))
+        self.uploaded = {op.path_in_repo: Path(op.path_or_fileobj) for op in kwargs["operations"]}
+        self.uploaded_card = self.uploaded["README.md"].read_text()
         return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/1")
 
 
@@ -109,7 +116,7 @@ def test_push_creates_repo_and_uploads_with_card(tmp_path, hf_env, capsys):
     (export / "training_info.json").write_text(
         json.dumps({"recipe": "qwen3_8b", "dataset": "sharegpt-regenerated"})
     )
-    argv = [export, "--repo-id", "org/dspine-qwen3-8b", "--private", "--commit-message", "v1"]
+    argv = [export, "--repo-id", "org/dspine-qwen3-8b", "--commit-message", "v1"]
     assert run_main(argv) == 0
 
     (api,) = FakeHfApi.instances
@@ -119,9 +126,19 @@ def test_push_creates_repo_and_uploads_with_card(tmp_path, hf_env, capsys):
         {"repo_id": "org/dspine-qwen3-8b", "private": True, "exist_ok": True, "repo_type": "model"},
     )
     name, upload = api.calls[1]
-    assert name == "upload_folder"
+    assert name == "create_commit"
     assert upload["repo_id"] == "org/dspine-qwen3-8b"
-    assert Path(upload["folder_path"]) == export
+    assert api.uploaded == {
+        name: export / name
+        for name in (
+            "README.md",
+            "config.json",
+            "eval_results.json",
+            "model.safetensors",
+            "token_table.safetensors",
+            "training_info.json",
+        )
+    }
     assert upload["commit_message"] == "v1"
     assert upload["repo_type"] == "model"
 
@@ -141,44 +158,71 @@ def test_push_creates_repo_and_uploads_with_card(tmp_path, hf_env, capsys):
     assert TOKEN not in out + err
 
 
-def test_public_by_default(tmp_path, hf_env):
+@pytest.mark.parametrize(
+    "flags, private", [([], True), (["--private"], True), (["--public"], False)]
+)
+def test_private_unless_public(tmp_path, hf_env, flags, private):
     export = make_export(tmp_path / "export")
+    assert run_main([export, "--repo-id", "org/name", *flags]) == 0
+    assert FakeHfApi.instances[0].calls[0][1]["private"] is private
+
+
+def test_visibility_flags_exclude_each_other(tmp_path, hf_env, capsys):
+    export = make_export(tmp_path / "export")
+    with pytest.raises(SystemExit):
+        run_main([export, "--repo-id", "org/name", "--public", "--private"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_dotfiles_are_never_uploaded_or_listed(tmp_path, hf_env, capsys):
+    export = make_export(tmp_path / "export")
+    (export / ".env").write_text("HF_TOKEN=hf_leaked")
+    (export / ".git").mkdir()
+    (export / ".git" / "config").write_text("[core]")
+    (export / ".ipynb_checkpoints").mkdir()
+    (export / ".ipynb_checkpoints" / "notes.txt").write_text("draft")
+    (export / "extra").mkdir()
+    (export / "extra" / ".DS_Store").write_bytes(b"\0")
+    (export / "extra" / "plot.png").write_bytes(b"png")
     assert run_main([export, "--repo-id", "org/name"]) == 0
-    assert FakeHfApi.instances[0].calls[0][1]["private"] is False
+    uploaded = set(FakeHfApi.instances[0].uploaded)
+    assert uploaded == {
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "token_table.safetensors",
+        "extra/plot.png",
+    }
+    assert run_main([export, "--repo-id", "org/name", "--dry-run"]) == 0
+    listed = capsys.readouterr().out.split("--- README.md ---")[0]
+    assert "extra/plot.png" in listed
+    assert ".env" not in listed and ".git" not in listed and ".DS_Store" not in listed
 
 
-def test_card_never_invents_measurements(tmp_path, hf_env):
-    export = make_export(tmp_path / "export")
+def test_card_holds_no_local_absolute_paths(tmp_path, hf_env):
+    target = tmp_path / "ckpt" / "Qwen3-8B"
+    target.mkdir(parents=True)
+    export = make_export(tmp_path / "export", target_name_or_path=str(target))
+    (export / "training_info.json").write_text(
+        json.dumps(
+            {"recipe": "/home/me/recipes/qwen3_8b.yaml", "dataset": ["/data/sg.jsonl", "uc"]}
+        )
+    )
+    (export / "eval_results.json").write_text(
+        json.dumps({"acceptance_length": 3.0, "prompts": "~/bench/prompts.jsonl (80 rows)"})
+    )
     assert run_main([export, "--repo-id", "org/name"]) == 0
     text = FakeHfApi.instances[0].uploaded_card
-    assert "Mean acceptance length: **not measured**" in text
-    assert "- recipe: not recorded" in text and "- data: not recorded" in text
-    # The only numbers in the evaluation section are none at all.
-    evaluation = text.split("## Evaluation")[1].split("## Usage")[0]
-    assert not any(ch.isdigit() for ch in evaluation)
-
-
-def test_card_takes_only_plain_names_from_training_info(tmp_path):
-    export = make_export(tmp_path / "export")
-    (export / "training_info.json").write_text(
-        json.dumps({"recipe": {"lr": 6e-4}, "dataset": ["sharegpt", "ultrachat"]})
+    for local in (str(tmp_path), "/home/me", "/data/", "~/bench"):
+        assert local not in text
+    assert "`Qwen3-8B`" in text
+    assert "- recipe: qwen3_8b.yaml" in text and "- data: sg.jsonl, uc" in text
+    assert "| prompts | prompts.jsonl (80 rows) |" in text
+    assert 'from_pretrained("TARGET_MODEL"' in text  # no local path in the usage snippet
+    # Hub ids and URLs are not paths.
+    assert hub.public_text("see https://hf.co/org/x and org/y, 3/4") == (
+        "see https://hf.co/org/x and org/y, 3/4"
     )
-    info = hub.validate_export(export)
-    text = hub.render_model_card(info, repo_id="org/name")
-    assert "- recipe: not recorded" in text and "- data: sharegpt, ultrachat" in text
-    text = hub.render_model_card(info, repo_id="org/name", recipe="qwen3_8b", dataset="mine")
-    assert "- recipe: qwen3_8b" in text and "- data: mine" in text
-
-
-def test_local_target_path_is_not_a_base_model(tmp_path, hf_env):
-    export = make_export(tmp_path / "export", target_name_or_path=str(tmp_path))
-    info = hub.validate_export(export)
-    card = ModelCard(hub.render_model_card(info, repo_id="org/name"))
-    assert card.data.base_model is None
-    override = ModelCard(
-        hub.render_model_card(info, repo_id="org/name", base_model="Qwen/Qwen3-4B")
-    )
-    assert override.data.base_model == "Qwen/Qwen3-4B"
 
 
 def test_dry_run_prints_plan_and_card_without_network_or_writes(tmp_path, hf_env, capsys):
@@ -270,10 +314,75 @@ def test_no_token_fails_before_any_upload(tmp_path, hf_env, monkeypatch, capsys)
 def test_upload_error_is_reported_without_the_token(tmp_path, hf_env, capsys):
     export = make_export(tmp_path / "export")
 
-    def failing(token=None):
-        return FakeHfApi(token, fail_with=f"401 Unauthorized for token {token}")
+    def failing(token=None, endpoint=None):
+        return FakeHfApi(token, endpoint, fail_with=f"401 Unauthorized for token {token}")
 
     assert run_main([export, "--repo-id", "org/name"], api_factory=failing) == 1
     out, err = capsys.readouterr()
     assert "upload to org/name failed: 401 Unauthorized for token ***" in err
     assert TOKEN not in out + err
+
+
+@pytest.fixture
+def silent_endpoint():
+    """http://127.0.0.1:PORT of a TCP server that accepts connections and never answers."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept_and_hold():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except (TimeoutError, OSError):
+                continue
+
+    thread = threading.Thread(target=accept_and_hold, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+@pytest.mark.parametrize("via", ["flag", "HF_ENDPOINT"])
+def test_an_endpoint_that_never_answers_fails_with_a_clear_error(tmp_path, silent_endpoint, via):
+    export = make_export(tmp_path / "export")
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "TRANSFORMERS_"))
+    }
+    env.update(HF_TOKEN=TOKEN, HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(REPO))
+    argv = [sys.executable, str(SCRIPT), str(export), "--repo-id", "org/name", "--timeout", "1"]
+    if via == "flag":
+        argv += ["--endpoint", silent_endpoint]
+    else:
+        env["HF_ENDPOINT"] = silent_endpoint
+    # Without request timeouts this waits forever; the subprocess limit only bounds the test.
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line == (
+        f"push_to_hub.py: error: upload to org/name failed: {silent_endpoint} did not answer "
+        "within 1 s (ReadTimeout); check the endpoint and the network, or raise --timeout"
+    )
+    assert TOKEN not in done.stdout + done.stderr
+    assert not (export / "README.md").exists()  # failed before the card was written
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--timeout", "0"], "--timeout 0.0: must be a positive number of seconds"),
+        (["--timeout", "nan"], "--timeout nan: must be a positive number of seconds"),
+        (["--endpoint", "huggingface.co"], "--endpoint 'huggingface.co': not an http(s) URL"),
+        (["--base-model", "/ckpt/Qwen3-8B"], "--base-model '/ckpt/Qwen3-8B': not a Hub model id"),
+    ],
+)
+def test_bad_flags_fail_before_any_upload(tmp_path, hf_env, capsys, flags, message):
+    export = make_export(tmp_path / "export")
+    assert run_main([export, "--repo-id", "org/name", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert FakeHfApi.instances == []
