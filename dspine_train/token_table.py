@@ -36,6 +36,8 @@ from threadpoolctl import threadpool_limits
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from dspine_train.writable import output_problem
+
 FORMAT_NAME = "dspine-token-table"
 FORMAT_VERSION = "1"
 METHODS = ("covariance", "pca")
@@ -95,6 +97,7 @@ class TokenTable:
         os.close(fd)
         try:
             save_file(tensors, tmp_name, metadata=dict(self.metadata))
+            os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only; a table is shared data
             os.replace(tmp_name, path)
         except BaseException:
             Path(tmp_name).unlink(missing_ok=True)
@@ -406,8 +409,12 @@ def whitened_coordinates(
 
 def _read_head_weight(target_path: Path) -> tuple[Tensor, str]:
     """The LM head of an HF checkpoint directory and the name of the tensor it came from."""
-    if not target_path.is_dir():
+    if not target_path.exists():
         raise FileNotFoundError(f"target checkpoint directory {target_path} does not exist")
+    if not target_path.is_dir():
+        raise NotADirectoryError(
+            f"target checkpoint {target_path} is not a directory (give the HF checkpoint folder)"
+        )
     index_path = target_path / "model.safetensors.index.json"
     single_path = target_path / "model.safetensors"
     if index_path.is_file():
@@ -437,6 +444,10 @@ def _read_head_weight(target_path: Path) -> tuple[Tensor, str]:
                 f"target {target_path} has neither {LM_HEAD_KEY} nor the tied {EMBED_KEY}"
             )
         name = EMBED_KEY
+    if not files[name].is_file():
+        raise FileNotFoundError(
+            f"{index_path} maps {name} to {files[name].name}, which is not in {target_path}"
+        )
     # safe_open reads just this tensor, not the rest of the checkpoint.
     try:
         with safe_open(files[name], framework="pt") as f:
@@ -455,7 +466,9 @@ def _safetensors_keys(path: Path) -> list[str]:
 
 def _read_json(path: Path) -> dict:
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not valid UTF-8: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(content, dict):
@@ -524,8 +537,17 @@ def build_from_config(cfg: TokenTableConfig, *, progress: bool = False) -> Token
     return table
 
 
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """The first flag value the CLI can reject before reading the target, naming the flag."""
+    if args.transfer_dim is not None and args.transfer_dim < 1:
+        return f"--transfer-dim must be >= 1, got {args.transfer_dim}"
+    if args.chunk_size < 1:
+        return f"--chunk-size must be >= 1, got {args.chunk_size}"
+    return output_problem(args.out, "--out")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the process exit status."""
+    """CLI entry point; returns the process exit status (2: a bad flag, 1: a bad checkpoint)."""
     parser = argparse.ArgumentParser(
         prog="python -m dspine_train.token_table",
         description="Build the PCA-whitened token table (SPEC 2.1) of a target's LM head.",
@@ -543,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="head rows processed at a time"
     )
     args = parser.parse_args(argv)
+    problem = _argument_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     cfg = TokenTableConfig(
         target=args.target,
         out=args.out,
@@ -555,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         table = build_from_config(cfg, progress=True)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except SafetensorError as exc:  # only writing raises it unwrapped (e.g. a full disk)
+        print(f"error: --out {cfg.out}: cannot write ({exc})", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - start
     meta = table.metadata

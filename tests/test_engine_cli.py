@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -115,3 +116,23 @@ def test_bench_script_prints_table_and_writes_json(files):
     ]
     assert all(r["identical"] for r in report["runs"])
     assert 0.0 <= report["draft_step_costs"]["injection_share"] < 1.0
+
+
+def test_cli_output_failure_after_generation_leaves_nothing(files, capsys, monkeypatch):
+    """A write that fails at the end (here a full disk) is one line, exit 1, no partial file."""
+    out_dir = files / "full_disk"
+    argv = ["--target", str(files / "target"), "--prompts", str(files / "prompts.jsonl")]
+    argv += ["--no-chat", "--max-new-tokens", "2", "--max-seq-len", "32"]
+    argv += ["--output", str(out_dir / "out.json")]
+
+    def disk_full(self, target):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "replace", disk_full)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err  # above the error line: only the progress bar
+    assert err.strip().splitlines()[-1] == (
+        f"error: --output {out_dir / 'out.json'}: cannot write (No space left on device)"
+    )
+    assert list(out_dir.iterdir()) == []  # neither the file nor its temporary

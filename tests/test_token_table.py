@@ -416,3 +416,10 @@ def test_build_from_structured_config(checkpoints: dict, tmp_path: Path) -> None
         build_from_config(TokenTableConfig(out=str(tmp_path / "x.st")))
     with pytest.raises(ValueError, match="is a directory"):
         build_from_config(TokenTableConfig(target=str(path), out=str(tmp_path)))
+
+
+def test_saved_table_is_readable_by_others(table: TokenTable, tmp_path: Path) -> None:
+    # mkstemp creates owner-only files; a table shared across users must not stay 0600.
+    path = tmp_path / "shared" / "table.safetensors"
+    table.save(path)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -5,14 +5,19 @@
         [--num-draft-tokens 7] [--batch-size 8] [--device cpu] [--dtype float32] \
         [--ar] [--output results.json]
 
-Prompts: a `.jsonl` file of `{"prompt": ...}` rows (or JSON strings), else one prompt per line.
-Without `--draft` (or with `--ar`) it decodes plainly with the target alone.
+Prompts: a `.jsonl` file of `{"prompt": ...}` rows (or JSON strings), else one prompt per line,
+in UTF-8 without a byte-order mark. Without `--draft` (or with `--ar`) it decodes plainly with
+the target alone. Flag values, the prompts file and the `--output` location are checked before
+any model is loaded; a bad one is reported in one line naming it, with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from dspine_train.engine.errors import (
 )
 from dspine_train.engine.prompts import read_prompts
 from dspine_train.engine.stats import GenerationStats
+from dspine_train.writable import output_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,8 +58,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def engine_argument_problem(args: argparse.Namespace) -> str | None:
+    """The first unusable `add_engine_arguments` value, as a message naming the flag, or None."""
+    if args.batch_size < 1:
+        return f"--batch-size must be >= 1, got {args.batch_size}"
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        return f"--max-seq-len must be >= 1, got {args.max_seq_len}"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        return f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {args.device}: CUDA is not available here (use --device cpu)"
+    return None
+
+
 def build_engine(args: argparse.Namespace) -> Engine:
-    """An `Engine` from parsed `add_engine_arguments` arguments."""
+    """An `Engine` from parsed `add_engine_arguments` arguments (checked first, see
+    `engine_argument_problem`; a bad value raises `GenerationInputError`)."""
+    problem = engine_argument_problem(args)
+    if problem:
+        raise GenerationInputError(problem)
     kwargs = {"max_batch_size": args.batch_size, "cuda_graphs": not args.no_cuda_graphs}
     if args.max_seq_len is not None:
         kwargs["max_seq_len"] = args.max_seq_len
@@ -100,6 +125,60 @@ def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
     return total
 
 
+def _generation_argument_problem(args: argparse.Namespace) -> str | None:
+    """The first unusable generation flag of `main`, as a message naming it, or None."""
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        return f"--temperature must be a finite number >= 0, got {args.temperature}"
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        return f"--top-p must be in (0, 1], got {args.top_p}"
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        return f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}"
+    return None
+
+
+def _prompts_file_problem(path: Path) -> str | None:
+    """Why the prompts file cannot be read as UTF-8 text (naming file and line), or None.
+
+    A missing file and bad rows are `read_prompts`' to report.
+    """
+    if not path.is_file():
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        return f"--prompts {path}: cannot read ({err.strerror})"
+    if data.startswith(codecs.BOM_UTF8):
+        return f"--prompts {path}: starts with a UTF-8 byte-order mark; save it without one"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        return (
+            f"--prompts {path}:{line}: not valid UTF-8 (byte 0x{data[err.start]:02x} at offset "
+            f"{err.start}); save the file as UTF-8"
+        )
+    return None
+
+
+def _write_output(path: Path, report: dict) -> str | None:
+    """Write `report` as JSON to `path` atomically; the error message on failure, else None.
+
+    The results go to a temporary file beside `path` that replaces it at the end, and is
+    removed on any failure, so `path` is never half-written.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(report, indent=1), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        return f"--output {path}: cannot write ({err.strerror or err})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m dspine_train.engine`; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -120,6 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ar", action="store_true", help="plain decoding even with a draft")
     parser.add_argument("--output", default=None, help="write results and stats as JSON here")
     args = parser.parse_args(argv)
+    problem = (
+        engine_argument_problem(args)
+        or _generation_argument_problem(args)
+        or _prompts_file_problem(Path(args.prompts))
+        or (output_problem(args.output, "--output") if args.output else None)
+    )
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     try:
         prompts = read_prompts(args.prompts)
@@ -162,9 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         f"verify {stats.verify_ms_per_step:.2f} ms/step"
     )
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")  # never leave a half-written file
-        tmp.write_text(json.dumps({"results": rows, "stats": summary}, indent=1))
-        tmp.replace(out)
+        problem = _write_output(Path(args.output), {"results": rows, "stats": summary})
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 1
     return 0
