@@ -301,7 +301,7 @@ class Engine:
         # Right-padded (B, longest); the padding lands past each committed length.
         padded = torch.tensor([p + [0] * (longest - len(p)) for p in ids], device=self.device)
         self.target.cache.reset(batch)
-        out = self.target(padded, kv_len=longest)
+        out = self.target(padded, kv_len=longest, prefill=True)  # lengths are all 0 after reset
         last = out.hidden[torch.arange(batch, device=self.device), lengths - 1]  # (B, H)
         first = next_tokens(
             self.target.logits(last), sampler.temperature, sampler.top_p, sampler.generator
