@@ -152,7 +152,9 @@ class OracleDraft(RecordingContext):
         self.corrupt = corrupt
         self.gen = torch.Generator().manual_seed(1)
 
-    def propose(self, cache, anchor_ids, temperature=0.0, generator=None) -> StandInProposal:
+    def propose(
+        self, cache, anchor_ids, temperature=0.0, generator=None, kv_len=None
+    ) -> StandInProposal:
         width = self.config.block_size - 1
         rows = []
         for b in range(anchor_ids.shape[0]):

@@ -9,6 +9,7 @@ imported only when `Engine.from_pretrained` loads one.
 """
 
 from dspine_train.engine.acceptance import Acceptance, clip_at_eos, greedy_accept, rejection_accept
+from dspine_train.engine.cuda_graphs import GraphCaptureError
 from dspine_train.engine.engine import Engine, GenerationResult
 from dspine_train.engine.errors import CheckpointError, GenerationInputError, IncompatibleDraftError
 from dspine_train.engine.stats import GenerationStats
@@ -22,6 +23,7 @@ __all__ = [
     "GenerationInputError",
     "GenerationResult",
     "GenerationStats",
+    "GraphCaptureError",
     "IncompatibleDraftError",
     "TargetConfig",
     "TargetModel",

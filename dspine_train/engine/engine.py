@@ -60,6 +60,14 @@ class Engine:
 
     Caches are sized once for `max_batch_size` sequences of up to `max_seq_len` positions
     (prompt + new tokens + one verified block). Without a draft only `generate_ar` works.
+
+    Verify and draft steps attend over the live cache length rounded up to a multiple of
+    `kv_bucket_size` (capped at the capacity), so their shapes take a few values only. On CUDA
+    each step (verify, greedy draft, commit) is compiled (`compile`, default on for CUDA) and
+    captured as a CUDA graph per (shape, kv bucket) (`cuda_graphs`), in one shared graph memory
+    pool; `warmup` captures them ahead of timing. A failed compile/capture raises with
+    `strict_graphs=True` and otherwise warns and runs that step eager. `compile_backend` is
+    `torch.compile`'s backend ("eager" traces the steps without generating kernels).
     """
 
     def __init__(
@@ -72,13 +80,20 @@ class Engine:
         max_seq_len: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         cuda_graphs: bool = True,
+        compile: bool | None = None,
+        strict_graphs: bool = False,
+        kv_bucket_size: int = 256,
+        compile_backend: str = "inductor",
     ) -> None:
+        if kv_bucket_size < 1:
+            raise GenerationInputError(f"kv_bucket_size must be >= 1, got {kv_bucket_size}")
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
         self.device = target.device
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or min(target.config.max_position_embeddings, 4096)
+        self.kv_bucket_size = kv_bucket_size
         self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else [])
         self._eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
         self.block_size = 1
@@ -91,9 +106,29 @@ class Engine:
             draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
             target.set_feature_layers(draft.config.target_layer_ids)
         target.setup(max_batch_size, self.max_seq_len)
-        use_graphs = cuda_graphs and self.device.type == "cuda"
-        self._target_step = StepCache(self._target_forward, use_graphs, "verify")
-        self._draft_step = StepCache(self._draft_greedy, use_graphs, "draft")
+        cuda = self.device.type == "cuda"
+        use_graphs = cuda_graphs and cuda
+        use_compile = cuda if compile is None else bool(compile)
+        if use_compile:
+            _raise_recompile_limit()
+        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        steps = dict(
+            graphs=use_graphs,
+            compile=use_compile,
+            strict=strict_graphs,
+            pool=pool,
+            compile_backend=compile_backend,
+        )
+        self._target_step = StepCache(self._target_forward, "verify", **steps)
+        self._draft_step = StepCache(self._draft_greedy, "draft", **steps)
+        self._commit_step = StepCache(self._commit, "commit", state=self._commit_state, **steps)
+        # Per-round bookkeeping lives on the device, updated in place: the rows running at the
+        # start of the round (`_active`) and those still running after it (`_running`).
+        self._active = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
+        self._running = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
+        # Pinned host buffers for the round's one device-to-host read, one per shape.
+        self._host_buffers: dict[tuple[int, ...], torch.Tensor] = {}
+        self._read_done = torch.cuda.Event() if cuda else None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -170,6 +205,59 @@ class Engine:
         """Plain autoregressive decoding with the same target and caches (the baseline)."""
         return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed)
 
+    def kv_buckets(self) -> list[int]:
+        """Every kv length a verify step can attend over: multiples of `kv_bucket_size` below
+        the capacity, then the capacity (`max_seq_len`)."""
+        size = self.kv_bucket_size
+        return [*range(size, self.max_seq_len, size), self.max_seq_len]
+
+    def warmup(
+        self,
+        batch_sizes: Sequence[int] = (1,),
+        num_draft_tokens: Sequence[int] | int | None = None,
+        kv_buckets: Sequence[int] | None = None,
+    ) -> dict[str, float | int]:
+        """Compile and capture every step at these shapes before anything is timed.
+
+        `batch_sizes` in 1..max_batch_size; `num_draft_tokens` the g values (0 is plain
+        decoding; default: 0 and block_size - 1 with a draft, 0 without); `kv_buckets` values
+        of `kv_buckets()` (default: all of them). On CPU, where nothing is captured, it checks
+        the arguments and runs each step once eagerly at the smallest bucket. Returns the number
+        of captured graphs and the seconds it took. Greedy steps only: sampling drafts eagerly.
+        """
+        sizes, gs, buckets = self._check_warmup(batch_sizes, num_draft_tokens, kv_buckets)
+        if not self._target_step.enabled:
+            buckets = buckets[:1]  # nothing to capture: one eager pass per shape validates it
+        before = self._capture_seconds()
+        with torch.inference_mode():
+            for batch in sizes:
+                self.target.cache.reset(batch)
+                self._active[:batch].fill_(False)  # commits during capture leave lengths at 0
+                self._running[:batch].fill_(False)
+                if self.draft is not None:
+                    self.draft_cache = self._draft_cache_for(batch)
+                    self.draft.crop_context(self.draft_cache, self.target.cache.lengths[:batch])
+                for g in gs:
+                    block = torch.zeros(batch, g + 1, dtype=torch.long, device=self.device)
+                    fits = [b for b in buckets if b >= g + 1] or [self.max_seq_len]
+                    for kv in fits:
+                        self._target_step.prepare(block, kv_len=kv)
+                    features, _ = self._target_forward(block, kv_len=fits[0])
+                    num_accepted = torch.zeros(batch, dtype=torch.long, device=self.device)
+                    commit_inputs = (num_accepted,) if g == 0 else (num_accepted, features)
+                    self._commit_step.prepare(*commit_inputs)
+                    if not self._commit_step.enabled:
+                        self._commit_step(*commit_inputs)
+                if self.draft is not None and any(g > 0 for g in gs):
+                    anchors = torch.zeros(batch, dtype=torch.long, device=self.device)
+                    for kv in self._draft_buckets(buckets):
+                        self._draft_step.prepare(anchors, kv_len=kv)
+                        if not self._draft_step.enabled:
+                            self._draft_step(anchors, kv_len=kv)
+            self.target.cache.reset(self.max_batch_size)
+        captured = sum(s.num_captured for s in self._steps())
+        return {"graphs": captured, "capture_s": self._capture_seconds() - before}
+
     # ------------------------------------------------------------------ the loop
     def _run(
         self,
@@ -193,36 +281,39 @@ class Engine:
         sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
         timer = StepTimer(self.device)
         states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
+        capture_before = self._capture_seconds()
         start = time.perf_counter()
 
-        with timer.section("prefill"):
-            anchors = self._prefill(ids, sampler, with_draft=speculative)
-        first = anchors.tolist()  # deliberate sync: the first token decides EOS/stop/budget
-        for state, token in zip(states, first, strict=True):
-            state.extend([token], ends_with_eos=token in self.eos_token_ids)
-        committed = [len(p) for p in ids]  # host mirror of the target cache lengths
+        with torch.inference_mode():
+            with timer.section("prefill"):
+                anchors = self._prefill(ids, sampler, with_draft=speculative)
+            first = anchors.tolist()  # deliberate sync: the first token decides EOS/stop/budget
+            running = self._running[: len(ids)]
+            running.fill_(True)
+            for b, (state, token) in enumerate(zip(states, first, strict=True)):
+                state.extend([token], ends_with_eos=token in self.eos_token_ids)
+                if state.done:
+                    running[b] = False  # a scalar fill: no host-to-device copy
+            self._active[: len(ids)].copy_(running)
+            committed = [len(p) for p in ids]  # host mirror of the target cache lengths
 
-        while not all(s.done for s in states):
-            active = torch.tensor([not s.done for s in states], device=self.device)
-            longest = max(n for s, n in zip(states, committed) if not s.done)
-            acc, features = self._round(anchors, longest, num_draft, sampler, timer)
-            self._record(acc, states, committed, stats)
-            stats.steps += 1
-            # Commit: the anchor and the accepted drafts now have valid target K/V and features;
-            # the rejected tail is dropped by not counting it. Rows that are done go back to
-            # length 0 so their idle writes in later rounds stay inside the caches.
-            lengths = torch.tensor(
-                [0 if s.done else n for s, n in zip(states, committed)], device=self.device
-            )
-            self.target.cache.crop(lengths)
-            if speculative:
-                appended = (acc.num_accepted + 1) * active  # anchor + accepted drafts per row
-                self.draft.append_context(self.draft_cache, features, appended)
-                self.draft.crop_context(self.draft_cache, lengths)
-            anchors = acc.tokens.gather(1, acc.num_accepted[:, None]).squeeze(1)
+            while not all(s.done for s in states):
+                longest = max(n for s, n in zip(states, committed) if not s.done)
+                acc, features = self._round(anchors, longest, num_draft, sampler, timer)
+                for b in self._record(acc, states, committed, stats):
+                    running[b] = False
+                stats.steps += 1
+                # Commit on the device: the anchor and the accepted drafts now have valid target
+                # K/V and features; the rejected tail is dropped by not counting it. Rows that
+                # are done go back to length 0 so their idle writes stay inside the caches.
+                commit_inputs = (acc.num_accepted, features) if speculative else (acc.num_accepted,)
+                self._commit_step.prepare(*commit_inputs)
+                self._commit_step(*commit_inputs)
+                anchors = acc.tokens.gather(1, acc.num_accepted[:, None]).squeeze(1)
 
-        times = timer.totals()
-        stats.total_s = time.perf_counter() - start
+            times = timer.totals()
+        stats.capture_s = self._capture_seconds() - capture_before
+        stats.total_s = time.perf_counter() - start - stats.capture_s
         stats.prefill_s = times.get("prefill", 0.0)
         stats.draft_s = times.get("draft", 0.0)
         stats.verify_s = times.get("verify", 0.0)
@@ -268,22 +359,53 @@ class Engine:
                 f"positions; the engine was built with max_seq_len={self.max_seq_len}"
             )
 
+    def _check_warmup(
+        self,
+        batch_sizes: Sequence[int],
+        num_draft_tokens: Sequence[int] | int | None,
+        kv_buckets: Sequence[int] | None,
+    ) -> tuple[list[int], list[int], list[int]]:
+        sizes = sorted({int(b) for b in batch_sizes})
+        if not sizes or not all(1 <= b <= self.max_batch_size for b in sizes):
+            raise GenerationInputError(
+                f"warmup batch_sizes={list(batch_sizes)} must be non-empty, each in "
+                f"1..max_batch_size={self.max_batch_size}"
+            )
+        if num_draft_tokens is None:
+            gs = [0] if self.draft is None else [0, self.block_size - 1]
+        elif isinstance(num_draft_tokens, int):
+            gs = [num_draft_tokens]
+        else:
+            gs = sorted({int(g) for g in num_draft_tokens})
+        top = self.block_size - 1 if self.draft is not None else 0
+        if not gs or not all(0 <= g <= top for g in gs):
+            raise GenerationInputError(
+                f"warmup num_draft_tokens={gs} must each be in 0..{top} "
+                f"({'block_size - 1' if self.draft is not None else 'no draft: plain decoding'})"
+            )
+        valid = self.kv_buckets()
+        buckets = valid if kv_buckets is None else sorted({int(b) for b in kv_buckets})
+        bad = [b for b in buckets if b not in valid]
+        if not buckets or bad:
+            raise GenerationInputError(
+                f"warmup kv_buckets {bad or '[]'} are not kv buckets of this engine (multiples "
+                f"of kv_bucket_size={self.kv_bucket_size} below max_seq_len={self.max_seq_len}, "
+                f"or max_seq_len itself)"
+            )
+        return sizes, gs, buckets
+
     def _record(
         self,
         acc: Acceptance,
         states: list[SequenceState],
         committed: list[int],
         stats: GenerationStats,
-    ) -> None:
-        """Read one round's acceptance to the host and commit it to the running sequences."""
-        counts, hit_eos = clip_at_eos(acc.tokens, acc.num_accepted + 1, self._eos)
-        # The round's single host read: everything the bookkeeping needs in one transfer.
-        packed = torch.cat(
-            [acc.tokens, acc.num_accepted[:, None], counts[:, None], hit_eos[:, None].long()],
-            dim=1,
-        ).tolist()
+    ) -> list[int]:
+        """Read one round's acceptance to the host, commit it to the running sequences, and
+        return the rows that finished in this round."""
         width = acc.tokens.shape[1]
-        for b, row in enumerate(packed):
+        finished = []
+        for b, row in enumerate(self._read_acceptance(acc)):
             if states[b].done:
                 continue
             num_acc, keep, eos = row[width], row[width + 1], bool(row[width + 2])
@@ -293,6 +415,27 @@ class Engine:
                 stats.accepted_at[i] += 1
             states[b].extend(row[:keep], ends_with_eos=eos)
             committed[b] += num_acc + 1
+            if states[b].done:
+                finished.append(b)
+        return finished
+
+    def _read_acceptance(self, acc: Acceptance) -> list[list[int]]:
+        """The round's single host read: tokens, accepted count, kept count, EOS flag per row."""
+        counts, hit_eos = clip_at_eos(acc.tokens, acc.num_accepted + 1, self._eos)
+        packed = torch.cat(
+            [acc.tokens, acc.num_accepted[:, None], counts[:, None], hit_eos[:, None].long()],
+            dim=1,
+        )
+        if self._read_done is None:
+            return packed.tolist()
+        host = self._host_buffers.get(tuple(packed.shape))
+        if host is None:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host_buffers[tuple(packed.shape)] = host
+        host.copy_(packed, non_blocking=True)
+        self._read_done.record()
+        self._read_done.synchronize()  # deliberate: the one host sync of a round
+        return host.tolist()
 
     def _prefill(self, ids: list[list[int]], sampler: _Sampler, with_draft: bool) -> torch.Tensor:
         """Run the prompts (right-padded), commit them, return the first new token `(B,)`."""
@@ -301,7 +444,7 @@ class Engine:
         # Right-padded (B, longest); the padding lands past each committed length.
         padded = torch.tensor([p + [0] * (longest - len(p)) for p in ids], device=self.device)
         self.target.cache.reset(batch)
-        out = self.target(padded, kv_len=longest)
+        out = self.target(padded, kv_len=longest, prefill=True)  # lengths are all 0 after reset
         last = out.hidden[torch.arange(batch, device=self.device), lengths - 1]  # (B, H)
         first = next_tokens(
             self.target.logits(last), sampler.temperature, sampler.top_p, sampler.generator
@@ -321,22 +464,24 @@ class Engine:
         sampler: _Sampler,
         timer: StepTimer,
     ) -> tuple[Acceptance, torch.Tensor | None]:
-        """Draft (if speculative), verify `[anchor, d_1..d_g]`, accept. Plain decoding is g = 0."""
+        """Draft (if speculative), verify `[anchor, d_1..d_g]`, accept. Plain decoding is g = 0.
+
+        `longest` is the longest committed length of the rows still running (the others sit at
+        length 0); it picks the kv buckets of both steps.
+        """
         draft_tokens = anchors[:, None][:, :0]  # (B, 0)
         draft_q = None
         if num_draft > 0:
+            draft_kv = self._bucket(longest + self.block_size, self._draft_capacity())
+            if sampler.temperature <= 0.0:
+                self._draft_step.prepare(anchors, kv_len=draft_kv)  # capture outside the timing
             with timer.section("draft"):
-                draft_tokens, draft_q = self._propose(anchors, sampler, num_draft)
+                draft_tokens, draft_q = self._propose(anchors, sampler, num_draft, draft_kv)
         block = torch.cat([anchors[:, None], draft_tokens], dim=1)  # (B, g + 1)
+        kv_len = self._bucket(longest + block.shape[1], self.max_seq_len)
+        self._target_step.prepare(block, kv_len=kv_len)
         with timer.section("verify"):
-            if self._target_step.enabled:
-                _, features, logits = self._target_step(block)
-            else:
-                # Eager: attend only to the slots in use (a graphed step keeps the capacity).
-                # `longest` is the longest committed length of the rows still running; the
-                # others sit at length 0.
-                kv_len = longest + block.shape[1]
-                _, features, logits = self._target_forward(block, kv_len=kv_len)
+            features, logits = self._target_step(block, kv_len=kv_len)
         if sampler.temperature <= 0.0:
             return greedy_accept(draft_tokens, logits), features
         probs = target_probs(logits, sampler.temperature, sampler.top_p)
@@ -346,36 +491,98 @@ class Engine:
         return rejection_accept(draft_tokens, draft_q, probs, sampler.generator), features
 
     def _propose(
-        self, anchors: torch.Tensor, sampler: _Sampler, num_draft: int
+        self, anchors: torch.Tensor, sampler: _Sampler, num_draft: int, kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first `num_draft` of the draft's proposals for each anchor, and their q."""
         if sampler.temperature <= 0.0:
-            (tokens,) = self._draft_step(anchors)
+            (tokens,) = self._draft_step(anchors, kv_len=kv_len)
             return tokens[:, :num_draft], None
         proposal = self.draft.propose(
-            self.draft_cache, anchors, sampler.temperature, sampler.generator
+            self.draft_cache, anchors, sampler.temperature, sampler.generator, kv_len=kv_len
         )
         return proposal.tokens[:, :num_draft], proposal.q[:, :num_draft]
 
-    def _draft_greedy(self, anchors: torch.Tensor) -> tuple[torch.Tensor]:
+    # ------------------------------------------------------------------ steps (compiled, graphed)
+    def _draft_greedy(self, anchors: torch.Tensor, kv_len: int) -> tuple[torch.Tensor]:
         # Greedy proposals only: sampling draws from a generator and runs eager.
-        return (self.draft.propose(self.draft_cache, anchors, 0.0, None).tokens,)
+        return (self.draft.propose(self.draft_cache, anchors, 0.0, None, kv_len=kv_len).tokens,)
 
     def _target_forward(
-        self, block: torch.Tensor, kv_len: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        self, block: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Verify (or plain-decode) `block (B, T)`: the context features and float32 logits."""
         out = self.target(block, kv_len=kv_len)
-        return out.hidden, out.features, self.target.logits(out.hidden)
+        return out.features, self.target.logits(out.hidden)
+
+    def _commit(
+        self, num_accepted: torch.Tensor, features: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor]:
+        """Commit a verified round on the device: each row that ran keeps its anchor and
+        `num_accepted` drafts (target cache lengths, draft context features); rows done after
+        the round (`_running` False) go back to length 0; `_active` becomes `_running`."""
+        batch = num_accepted.shape[0]
+        active, running = self._active[:batch], self._running[:batch]
+        counts = (num_accepted + 1) * active  # (B,): anchor + accepted drafts of rows that ran
+        lengths = torch.where(running, self.target.cache.lengths[:batch] + counts, 0)
+        self.target.cache.crop(lengths)
+        if features is not None:
+            self.draft.append_context(self.draft_cache, features, counts)
+            self.draft.crop_context(self.draft_cache, lengths)
+        active.copy_(running)
+        return (lengths,)
+
+    def _commit_state(self) -> tuple[torch.Tensor, ...]:
+        """What `_commit` updates in place (restored after its capture's warm-up runs)."""
+        state = (self.target.cache.lengths, self._active)
+        if self.draft_cache is not None:
+            state += (self.draft_cache.lengths,)
+        return state
+
+    # ------------------------------------------------------------------ helpers
+    def _bucket(self, needed: int, capacity: int) -> int:
+        """`needed` kv slots rounded up to a multiple of `kv_bucket_size`, at most `capacity`."""
+        size = self.kv_bucket_size
+        return min(capacity, -(-needed // size) * size)
+
+    def _draft_capacity(self) -> int:
+        # The draft context cache holds max_seq_len committed positions plus one block.
+        return self.max_seq_len + self.block_size
+
+    def _draft_buckets(self, buckets: list[int]) -> list[int]:
+        """The draft kv lengths reached when the verify steps use `buckets`."""
+        capacity = self._draft_capacity()
+        out = {min(b, capacity) for b in buckets if b >= self.block_size}
+        if self.max_seq_len in buckets or not out:
+            out.add(capacity)
+        return sorted(out)
+
+    def _steps(self) -> tuple[StepCache, ...]:
+        return (self._target_step, self._draft_step, self._commit_step)
+
+    def _capture_seconds(self) -> float:
+        return sum(step.capture_s for step in self._steps())
 
     def _draft_cache_for(self, batch: int) -> Any:
         """The draft context cache for `batch` sequences, allocated on first use of that size."""
         cache = self._draft_caches.get(batch)
         if cache is None:
-            cache = self.draft.new_context_cache(
-                batch, self.max_seq_len, device=self.device, dtype=self.target.dtype
-            )
+            # Normal tensors even when first met inside the loop's inference mode, so callers
+            # (benchmarks, tests) can keep using the cache outside it.
+            with torch.inference_mode(False):
+                cache = self.draft.new_context_cache(
+                    batch, self.max_seq_len, device=self.device, dtype=self.target.dtype
+                )
             self._draft_caches[batch] = cache
         return cache
+
+
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """Let dynamo keep a compiled variant per (shape, kv bucket) of each step (default 8)."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo_config, name, limit) < limit:
+            setattr(dynamo_config, name, limit)
 
 
 @dataclass

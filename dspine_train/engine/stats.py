@@ -32,7 +32,8 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    total_s: float = 0.0
+    total_s: float = 0.0  # wall time, compiling / CUDA-graph capture excluded
+    capture_s: float = 0.0  # compiling / capturing steps met for the first time in this call
 
     @property
     def tau(self) -> float:

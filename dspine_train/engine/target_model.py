@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from dspine_train.engine.attention import causal_attention, masked_attention
 from dspine_train.engine.errors import CheckpointError
 from dspine_train.engine.kv_cache import StaticKVCache
 from dspine_train.engine.rope import RopeTable, apply_rope
@@ -125,7 +126,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the static cache (SDPA, boolean mask)."""
+    """GQA self-attention over the static cache (`engine.attention`: causal prefill, masked
+    verify, both on fused SDPA kernels)."""
 
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
@@ -148,12 +150,13 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: StaticKVCache,
         layer: int,
         positions: torch.Tensor,
         kv_len: int,
     ) -> torch.Tensor:
+        """`mask (B, 1, T, kv_len)` over the cache, or None for a prefill (causal, new tokens)."""
         batch, steps, _ = x.shape
         # (B, T, heads * D) -> (B, T, heads, D)
         q = self.q_proj(x).view(batch, steps, self.num_heads, self.head_dim)
@@ -165,8 +168,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         cache.write(layer, k, v, positions)
-        keys, values = cache.layer_view(layer, batch, kv_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if mask is None:
+            # Prefill: every cache length is 0, so the cache holds exactly these tokens.
+            out = causal_attention(q, k, v)
+        else:
+            keys, values = cache.layer_view(layer, batch, kv_len)
+            out = masked_attention(q, keys, values, mask, label="verify")
         # (B, heads, T, D) -> (B, T, heads * D)
         out = out.transpose(1, 2).reshape(batch, steps, self.num_heads * self.head_dim)
         return self.o_proj(out)
@@ -201,7 +208,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: StaticKVCache,
         layer: int,
         positions: torch.Tensor,
@@ -280,13 +287,17 @@ class TargetModel(nn.Module):
         )
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, kv_len: int | None = None) -> TargetOutput:
+    def forward(
+        self, input_ids: torch.Tensor, kv_len: int | None = None, prefill: bool = False
+    ) -> TargetOutput:
         """Run new tokens `input_ids (B, T)` (right-padded) at each sequence's cache length.
 
         Sequence `b`'s token `i` gets position `cache.lengths[b] + i` and is written to that
         cache slot; `cache.lengths` is not advanced (the caller commits with `cache.crop`).
         `kv_len` bounds the slots attended to (any value above every `lengths[b] + T`); the
-        default, the full capacity, keeps shapes static for CUDA graphs.
+        default is the full capacity. `prefill=True` promises every cache length is 0 (the
+        caller just reset the cache): attention is then plain causal over the new tokens, with
+        no mask, which the flash / memory-efficient kernels run.
         """
         if self.cache is None or self.rope is None:
             raise RuntimeError("TargetModel.setup(...) must be called before forward")
@@ -294,9 +305,11 @@ class TargetModel(nn.Module):
         kv_len = cache.capacity if kv_len is None else kv_len
         offsets = torch.arange(steps, device=input_ids.device)
         positions = cache.lengths[:batch, None] + offsets[None, :]  # (B, T)
-        slots = torch.arange(kv_len, device=input_ids.device)
-        # (B, 1, T, S): a query sees the slots at or before its own position.
-        mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        mask = None
+        if not prefill:
+            slots = torch.arange(kv_len, device=input_ids.device)
+            # (B, 1, T, S): a query sees the slots at or before its own position.
+            mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         rope = self.rope.lookup(positions)
 
         wanted = set(self.feature_layer_ids)

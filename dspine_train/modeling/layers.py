@@ -13,6 +13,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from dspine_train.engine.attention import masked_attention
+
 from .configuration_dspine import DSpineConfig
 
 try:  # flex attention is used on CUDA for the training mask; absent builds fall back to SDPA.
@@ -161,6 +163,16 @@ class DSpineAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, nq, self.num_heads * self.head_dim)  # (B, Q, heads*D)
         return self.o_proj(out)
 
+    def attend_cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Inference twin of `attend` (dense mask only): the GQA groups folded into the query
+        axis so SDPA's memory-efficient kernel takes the mask (`engine.attention`)."""
+        b, _, nq, _ = q.shape
+        out = masked_attention(q, k, v, mask, scale=self.scaling, label="draft")
+        out = out.transpose(1, 2).reshape(b, nq, self.num_heads * self.head_dim)  # (B, Q, heads*D)
+        return self.o_proj(out)
+
 
 class DSpineMLP(nn.Module):
     """SwiGLU MLP."""
@@ -200,4 +212,12 @@ class DSpineDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """Residual attention with the given full K/V, then the residual MLP."""
         hidden = hidden + self.self_attn.attend(q, k, v, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def finish_cached(
+        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """`finish` for a drafted block over the context cache (`attend_cached`)."""
+        hidden = hidden + self.self_attn.attend_cached(q, k, v, mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -385,12 +385,14 @@ class DSpineDraftModel(DSpinePreTrainedModel):
 
     @torch.no_grad()
     def draft_forward(
-        self, cache: DraftContextCache, anchor_ids: torch.Tensor
+        self, cache: DraftContextCache, anchor_ids: torch.Tensor, kv_len: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One block per sequence over the cached context.
 
         Returns slot logits (B, Bk-1, V), last-layer pre-injection states (B, Bk, H) and
         features (B, Bk-1, r). The block's K/V are written after the committed context.
+        `kv_len` bounds the cache slots attended to: any value >= every `lengths[b] + Bk`
+        (the engine rounds it up to a bucket); the default is the whole cache.
         """
         cfg = self.config
         embed, _ = self._require_target()
@@ -401,13 +403,15 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         hidden = F.embedding(block_ids, embed).to(dtype)  # (B, Bk, H)
         pos = cache.lengths[:, None] + torch.arange(bk, device=anchor_ids.device)  # (B, Bk)
         cos, sin = self.rotary_emb(pos, dtype)
-        mask = inference_block_mask(cache.lengths, cache.capacity, bk, cfg.block_attention == "causal")
+        kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
+        mask = inference_block_mask(cache.lengths, kv_len, bk, cfg.block_attention == "causal")
         anchor_codes = self.token_features(anchor_ids).to(dtype)  # (B, r)
         pre = recv = None
         for i, layer in enumerate(self.layers):
             q, k, v = layer.block_qkv(hidden, cos, sin)
             cache.write(i, cache.lengths, k, v)
-            hidden = layer.finish(hidden, q, cache.keys[i], cache.values[i], mask)
+            keys, values = cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len]
+            hidden = layer.finish_cached(hidden, q, keys, values, mask)
             if i == cfg.num_layers - 1:
                 pre = hidden
             if cfg.injection:
@@ -425,8 +429,12 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         anchor_ids: torch.Tensor,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        kv_len: int | None = None,
     ) -> DraftProposal:
-        """Draft one block per sequence after its committed context; anchor_ids (B,)."""
-        slot_logits, pre, recv = self.draft_forward(cache, anchor_ids)
+        """Draft one block per sequence after its committed context; anchor_ids (B,).
+
+        `kv_len` bounds the context slots attended to (see `draft_forward`).
+        """
+        slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
         result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator)
         return DraftProposal(tokens=result.tokens, q=result.q)
