@@ -109,20 +109,21 @@ class Check:
         """
         if self._timing is None:
             real = self.real()
-            draft = recipe_draft(real["hf"], self.tiny)
-            sync(self.device)
-            before = memory_allocated(self.device)
+            free_device_memory(self.device)
+            before = memory_allocated(self.device)  # the target's weights (shared with HF)
             reset_peak(self.device)
+            draft = recipe_draft(real["hf"], self.tiny)
             engine = make_engine(real["target"], draft, max_batch_size=4, max_seq_len=512)
+            sync(self.device)
             setup = dict(allocated_gib=memory_allocated(self.device) / GIB,
                          peak_gib=max_memory(self.device) / GIB)
             start = time.perf_counter()
-            prompts = [[5 + i for i in range(64)]]
-            warmup_engine(engine, prompts, [1, 3, 7, 15])
+            warmup_engine(engine, [[5 + i for i in range(64)]], [0, 3, 7, 15])
+            sync(self.device)
             captured = dict(allocated_gib=memory_allocated(self.device) / GIB,
                             peak_gib=max_memory(self.device) / GIB,
-                            warmup_s=time.perf_counter() - start)
-            self._timing = dict(engine=engine, draft=draft, before_gib=before / GIB,
+                            warmup_s=round(time.perf_counter() - start, 2))
+            self._timing = dict(engine=engine, draft=draft, target_weights_gib=before / GIB,
                                 setup=setup, captured=captured)
         return self._timing
 
@@ -132,6 +133,16 @@ def sync(device: torch.device) -> None:
     """Wait for the device (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Drop what earlier sections left (engines, graphs) before a memory measurement."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def memory_allocated(device: torch.device) -> int:
@@ -194,14 +205,16 @@ def make_engine(target: TargetModel, draft: Any, **kwargs: Any) -> Engine:
 
 
 def warmup_engine(engine: Engine, prompts: list[list[int]], gs: list[int]) -> None:
-    """Capture every step shape before timing: `Engine.warmup` if present, else one short run
-    per g (a run captures the shapes it meets)."""
+    """Capture every step shape before timing (g = 0 is plain decoding): `Engine.warmup` where
+    this engine has it, else one short run per g (a run captures the shapes it meets)."""
     if hasattr(engine, "warmup"):
         engine.warmup(batch_sizes=[len(prompts)], num_draft_tokens=gs)
         return
     for g in gs:
-        engine.generate(prompts, max_new_tokens=4, num_draft_tokens=g)
-    engine.generate_ar(prompts, max_new_tokens=2)
+        if g == 0:
+            engine.generate_ar(prompts, max_new_tokens=2)
+        else:
+            engine.generate(prompts, max_new_tokens=4, num_draft_tokens=g)
 
 
 def recipe_draft(hf: transformers.PreTrainedModel, tiny: bool):  # noqa: ANN201
@@ -240,16 +253,21 @@ def attention_ops(fn: Callable[[], Any], cuda: bool) -> list[str]:
 
 
 def classify(ops: list[str]) -> str:
-    """The backend a list of op names shows: math / cudnn / flash / efficient / flex[-compiled]."""
+    """The backend a list of op names shows: math / cudnn / flash / efficient / flex[-compiled].
+
+    Any math-kernel op wins (one fallback call is a failure); compiled flex attention shows as
+    a Triton template kernel (`triton_tem_*`), eager flex as `flex_attention` aten-level ops.
+    """
     joined = " ".join(ops).lower()
     if "attention_math" in joined:
         return "math"
     for name in ("cudnn_attention", "flash", "efficient_attention"):
         if name in joined:
             return name.replace("_attention", "")
+    if "triton_tem" in joined:
+        return "flex-compiled"
     if "flex" in joined:
-        # Compiled flex attention runs a Triton template kernel; eager flex runs aten ops.
-        return "flex-compiled" if "triton" in joined else "flex"
+        return "flex"
     return "unknown" if ops else "none"
 
 
@@ -267,30 +285,43 @@ def section_environment(ck: Check, fig: Figures) -> None:
     else:
         fig.update(device_name=platform.processor() or platform.machine())
     fig["attention"] = probe_attention(ck)
+    attention = fig["attention"]
     if ck.cuda:
-        for call in ("prefill", "verify", "draft"):
-            backend = fig["attention"][call]["backend"]
-            fig.expect(backend not in ("math", "unknown", "none"),
-                       f"{call} attention runs {backend!r} (expected a fused SDPA kernel)")
-        train = fig["attention"]["training_forward"]["backend"]
-        fig.expect(train == "flex-compiled",
-                   f"the draft's training forward runs {train!r} attention (expected compiled flex)")
-    reporter = _engine_backend_report()
-    if reporter is not None:
-        fig["engine_backend_report"] = "see attention.*.engine_report"
+        for name, probe in attention.items():
+            expected = "flex-compiled" if name == "training_forward" else "a fused SDPA kernel"
+            fig.expect(probe["backend"] not in ("math", "unknown", "none", "flex"),
+                       f"{name}: the profiled attention is {probe['backend']!r} (expected "
+                       f"{expected}); ops {probe['ops']}")
+        fig.expect(attention["training_forward"]["backend"] == "flex-compiled",
+                   "the draft's training forward does not run compiled flex attention")
+    for name in ("prefill", "decode_rounds"):
+        selected = attention[name].get("engine_selected")
+        if isinstance(selected, dict):  # the engine's own record of SDPA's choice per call
+            fig.expect(bool(selected), f"{name}: the engine recorded no attention call")
+            if ck.cuda:
+                math_calls = [label for label, chosen in selected.items() if "MATH" in chosen]
+                fig.expect(not math_calls, f"{name}: SDPA selects the math kernel for {math_calls}")
 
 
-def _engine_backend_report() -> Callable | None:
-    """The engine's own backend reporter, where this engine version has one."""
+def _sdpa_recorder() -> Callable | None:
+    """The engine's per-call SDPA choice recorder (`record_sdpa_backends`), where it exists."""
     try:
-        from dspine_train.engine import profiling
+        from dspine_train.engine import attention
     except ImportError:
         return None
-    return getattr(profiling, "attention_backends", None)
+    return getattr(attention, "record_sdpa_backends", None)
 
 
 def probe_attention(ck: Check) -> dict[str, Any]:
-    """Profile each attention call at the real attention layout (heads, head_dim, bf16)."""
+    """Profile each attention call at the real attention layout (heads, head_dim, bf16).
+
+    Eager engine (a graph replay runs no Python and shows no op names). `prefill` is a run that
+    stops after the first token; `decode_rounds` adds speculative rounds (verify and draft
+    calls). Each records the attention ops the profiler saw and, where the engine offers it,
+    the backend SDPA's dispatcher chose for each labelled call.
+    """
+    from contextlib import nullcontext
+
     from dspine_train.objective import sample_anchors
 
     if ck.tiny:
@@ -304,16 +335,9 @@ def probe_attention(ck: Check) -> dict[str, Any]:
     draft = recipe_draft(hf, tiny=True)
     engine = make_engine(target, draft, max_batch_size=2, max_seq_len=256, cuda_graphs=False)
     prompts = [list(range(3, 67)), list(range(10, 50))]
-    calls: dict[str, Callable[[], Any]] = {}
-    calls["prefill"] = lambda: engine.generate(prompts, max_new_tokens=1)
-    block = torch.randint(0, 200, (2, 16), device=ck.device)
-    calls["verify"] = lambda: engine._target_forward(block)  # the step a graph captures
-    anchors = block[:, 0]
-    calls["draft"] = lambda: engine._draft_greedy(anchors)
 
     seq = torch.randint(0, 200, (1, 256), device=ck.device)
-    layer_ids = draft.config.target_layer_ids
-    width = config.hidden_size * len(layer_ids)
+    width = config.hidden_size * len(draft.config.target_layer_ids)
     context = torch.randn(1, 256, width, device=ck.device, dtype=torch.bfloat16)
     anchor_pos, anchor_mask = sample_anchors(torch.ones(1, 256, dtype=torch.long), 16, 16,
                                              torch.Generator().manual_seed(0))
@@ -326,18 +350,26 @@ def probe_attention(ck: Check) -> dict[str, Any]:
             out.hidden.float().sum().backward()
             draft.eval()
 
-    calls["training_forward"] = training_forward
+    calls: dict[str, Callable[[], Any]] = {
+        "prefill": lambda: engine.generate(prompts, max_new_tokens=1),
+        "decode_rounds": lambda: engine.generate(prompts, max_new_tokens=6, num_draft_tokens=15),
+        "training_forward": training_forward,
+    }
+    recorder = _sdpa_recorder()
     report = {}
-    reporter = _engine_backend_report()
     for name, fn in calls.items():
         fn()  # compile / warm up outside the profile
-        ops = attention_ops(fn, ck.cuda)
+        use = recorder() if recorder is not None and name != "training_forward" else nullcontext()
+        with use as recorded:
+            ops = attention_ops(fn, ck.cuda)
         report[name] = dict(backend=classify(ops), ops=ops)
-    if reporter is not None:
-        try:
-            report["engine_report"] = reporter(engine)
-        except Exception as err:  # noqa: BLE001 - recorded, not fatal: the profile decides
-            report["engine_report"] = f"error: {err!r}"
+        if name != "training_forward":
+            selected: dict[str, list[str]] = {}
+            for label, backend in recorded or []:
+                if backend not in selected.setdefault(label, []):
+                    selected[label].append(backend)
+            report[name]["engine_selected"] = (
+                selected if recorded is not None else "no recorder in this engine version")
     return report
 
 
@@ -400,7 +432,8 @@ def section_exactness(ck: Check, fig: Figures) -> None:
         failed_capture = [str(w.message) for w in caught if "capture" in str(w.message)]
         if graphs:
             fig.expect(not failed_capture, f"CUDA-graph capture fell back to eager: {failed_capture}")
-            fig.expect(bool(engine._target_step.enabled and engine._target_step._steps),
+            captured = getattr(engine._target_step, "_steps", None)
+            fig.expect(bool(engine._target_step.enabled) and captured != {},
                        "the graphed engine replayed no captured verify step")
     fig["new_tokens"] = new_tokens
     fig["cases"] = cases
@@ -604,18 +637,22 @@ def round_counters(ck: Check, engine: Engine) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out2 = engine.generate(prompt, max_new_tokens=64, num_draft_tokens=15)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_ops = [e.name for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [n for n in device_ops if n.lower().startswith(("memcpy", "memset"))]
     sample = sorted({str(w.message).splitlines()[0][:120] for w in syncs})[:5]
+    rounds = max(out2.stats.steps, 1)
     return dict(rounds=out.stats.steps, host_syncs=len(syncs) / max(out.stats.steps, 1),
-                kernels=len(kernels) / max(out2.stats.steps, 1), sync_messages=sample)
+                kernels=(len(device_ops) - len(copies)) / rounds,
+                copies_and_memsets=len(copies) / rounds, sync_messages=sample)
 
 
 # ------------------------------------------------------------------ 6. memory
 def section_memory(ck: Check, fig: Figures) -> None:
     if ck.cuda:
         timing = ck.timing_engine()
-        fig["engine"] = dict(before_gib=timing["before_gib"], after_setup=timing["setup"],
-                             after_capture=timing["captured"])
+        fig["engine"] = dict(target_weights_gib=timing["target_weights_gib"],
+                             after_setup=timing["setup"], after_capture=timing["captured"])
     else:
         fig["engine"] = "not measurable on CPU (no allocator counters)"
     fig["training_step"] = training_step_memory(ck)
@@ -667,7 +704,7 @@ def training_step_memory(ck: Check) -> dict[str, Any]:
     else:
         embed = torch.randn(vocab, hidden, device=device, dtype=dtype)
         head = torch.randn(vocab, hidden, device=device, dtype=dtype) * 0.1
-    sync(device)
+    free_device_memory(device)
     baseline = memory_allocated(device)
     reset_peak(device)
     from dspine_train.modeling import DSpineDraftModel

@@ -42,7 +42,7 @@ def test_cpu_tiny_mode_runs_every_section_with_real_figures(cpu_report):
 
     env = sections["environment"]
     assert env["torch"] and env["transformers"] and env["device"] == "cpu"
-    for call in ("prefill", "verify", "draft", "training_forward"):
+    for call in ("prefill", "decode_rounds", "training_forward"):
         probe = env["attention"][call]
         assert probe["ops"], call  # the profiler saw the attention op of that call
         assert probe["backend"] not in ("none", "unknown"), probe

@@ -110,6 +110,7 @@ class OracleDraft(nn.Module):
         anchor_ids: torch.Tensor,
         temperature: float = 0.0,  # noqa: ARG002 - greedy only
         generator: torch.Generator | None = None,  # noqa: ARG002
+        kv_len: int | None = None,  # noqa: ARG002 - the engine's attention bound; nothing attends
     ) -> OracleProposal:
         """The next `block_size - 1` tokens after each anchor, some corrupted; `(B, Bk-1)`."""
         batch, width = anchor_ids.shape[0], self.config.block_size - 1
