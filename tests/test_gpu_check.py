@@ -56,7 +56,10 @@ def test_cpu_tiny_mode_runs_every_section_with_real_figures(cpu_report):
 
     real = sections["real_shapes"]
     parity = real["forward_vs_transformers"]
-    assert parity["argmax_agreement"] == 1.0 and parity["median_top2_margin"] > 1.0
+    assert parity["median_top2_margin"] > 1.0
+    for path in ("prefill", "masked"):
+        assert parity[path]["argmax_agreement"] == 1.0
+        assert parity[path]["max_abs_diff"] < 0.1 * parity["median_top2_margin"]
     assert [c["g"] for c in real["lossless_oracle"]["cases"]] == [3, 15]
     assert all(c["equal_plain"] and c["tau"] > 1.0 for c in real["lossless_oracle"]["cases"])
     local = real["bf16_agreement"]["local"]
