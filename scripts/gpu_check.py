@@ -716,7 +716,6 @@ def training_step_memory(ck: Check) -> dict[str, Any]:
         head = torch.randn(vocab, hidden, device=device, dtype=dtype) * 0.1
     free_device_memory(device)
     baseline = memory_allocated(device)
-    reset_peak(device)
     from dspine_train.modeling import DSpineDraftModel
     from dspine_train.token_table import build_token_table
 
@@ -743,6 +742,11 @@ def training_step_memory(ck: Check) -> dict[str, Any]:
                                           draft_config.block_size, gen)
     anchors, anchor_mask = anchors.to(device), anchor_mask.to(device)
     phases = {}
+    sync(device)
+    # The window starts at what the step keeps resident (parameters, master weights, Adam
+    # states, inputs), not at the transient fp32 copy the draft is built in.
+    phases["resident_before_step_gib"] = (memory_allocated(device) - baseline) / GIB
+    reset_peak(device)
     start = time.perf_counter()
     loss, _ = step(input_ids, context, final, loss_mask, anchors, anchor_mask, None, step=0,
                    total_steps=1)

@@ -115,3 +115,24 @@ def test_over_budget_sections_are_skipped(tmp_path, monkeypatch):
     code = script.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--budget-s", "-1"])
     late = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["late"]
     assert code == 0 and late["status"] == "skipped" and late["reason"] == "over the time budget"
+
+
+def test_oracle_draft_proposes_the_known_continuation_with_fixed_corruptions():
+    import torch
+
+    from dspine_train.engine.oracle_draft import OracleDraft, OracleDraftConfig
+
+    config = OracleDraftConfig(block_size=5, target_layer_ids=[0], vocab_size=50, hidden_size=8)
+    draft = OracleDraft(config, max_batch_size=2, max_length=20, corrupt=0.5, seed=3)
+    draft.set_sequences([list(range(10, 22)), list(range(30, 36))])
+    cache = draft.new_context_cache(2, 20)
+    draft.append_context(cache, torch.zeros(2, 3, 8), torch.tensor([3, 2]))
+    tokens = draft.propose(cache, torch.tensor([13, 32])).tokens
+    # Row 0 has 3 committed positions, so its anchor sits at 3 and proposals start at 4.
+    clean = torch.tensor([[14, 15, 16, 17], [33, 34, 35, 0]])
+    flipped = tokens != clean
+    assert torch.equal(tokens[flipped], (clean[flipped] + 1) % 50)
+    assert 0 < int(flipped.sum()) < flipped.numel()  # some corrupted, some not
+    assert torch.equal(draft.propose(cache, torch.tensor([13, 32])).tokens, tokens)  # fixed draws
+    draft.crop_context(cache, torch.tensor([1, 5]))
+    assert cache.lengths.tolist() == [1, 2]  # crop only lowers
