@@ -298,6 +298,15 @@ def section_environment(ck: Check, fig: Figures) -> None:
         fig.expect(train["backend"] == "flex-compiled"
                    or (isinstance(compiled, list) and bool(compiled) and train["backend"] != "math"),
                    "the draft's training forward does not run compiled flex attention")
+    chosen = attention["engine_sdpa_backends"]
+    if isinstance(chosen, str) and chosen.startswith("error"):
+        fig.expect(False, f"engine.profiling.sdpa_backends: {chosen}")
+    elif isinstance(chosen, dict):
+        fig.expect({"prefill", "verify", "draft"} <= set(chosen),
+                   f"sdpa_backends reports {sorted(chosen)}, not prefill, verify and draft")
+        if ck.cuda:
+            fig.expect(not any("MATH" in b for b in chosen.values()),
+                       f"SDPA selects the math kernel: {chosen}")
     for name in ("prefill", "decode_rounds"):
         selected = attention[name].get("engine_selected")
         if isinstance(selected, dict):  # the engine's own record of SDPA's choice per call
@@ -372,7 +381,16 @@ def probe_attention(ck: Check) -> dict[str, Any]:
         "training_forward": training_forward,
     }
     recorder = _sdpa_recorder()
-    report = {}
+    report: dict[str, Any] = {}
+    try:
+        from dspine_train.engine.profiling import sdpa_backends
+    except ImportError:
+        report["engine_sdpa_backends"] = "no engine.profiling in this engine version"
+    else:
+        try:  # strict: a call that would need the math kernel raises here
+            report["engine_sdpa_backends"] = sdpa_backends(engine, strict=ck.cuda)
+        except Exception as err:  # noqa: BLE001 - recorded and checked by the section
+            report["engine_sdpa_backends"] = f"error: {type(err).__name__}: {err}"
     for name, fn in calls.items():
         fn()  # compile / warm up outside the profile
         use = recorder() if recorder is not None and name != "training_forward" else nullcontext()
@@ -596,13 +614,7 @@ def section_timings(ck: Check, fig: Figures) -> None:
     engine = timing["engine"]
     fig["iters"] = ck.iters
     fig["timer"] = "cuda events (median)" if ck.cuda else "perf_counter (median)"
-    try:
-        from dspine_train.engine import profiling
-        steps = profiling.time_engine_steps(engine, 1, 15, ck.iters)
-        fig["engine_profiling"] = steps
-    except (ImportError, AttributeError):
-        fig["engine_profiling"] = "not in this engine version"
-    ms = local_step_times(ck, engine)
+    ms, fig["timed_by"] = step_times(ck, engine)
     fig["ms"] = ms
     t_ar = ms["plain_step"] + ms["commit"]
     speedup = {}
@@ -620,6 +632,23 @@ def section_timings(ck: Check, fig: Figures) -> None:
         fig["per_round"] = "CUDA only (sync debug mode, CUDA kernels)"
     for name, value in ms.items():
         fig.expect(value > 0 and math.isfinite(value), f"timing {name} is {value}")
+
+
+def step_times(ck: Check, engine: Engine) -> tuple[dict[str, float], str]:
+    """Median ms of a plain step, verify at g + 1 in {4, 8, 16}, a draft step and a commit (batch
+    1), by the engine's own `profiling.time_engine_steps` where this version has it."""
+    try:
+        from dspine_train.engine.profiling import time_engine_steps
+    except ImportError:
+        return local_step_times(ck, engine), "local (no engine.profiling in this engine version)"
+    ms: dict[str, float] = {}
+    for g in (3, 7, 15):
+        steps = time_engine_steps(engine, batch=1, g=g, iters=ck.iters)
+        ms[f"verify_{g + 1}"] = round(steps["verify_ms"], 4)
+        if g == 15:
+            ms.update(plain_step=round(steps["plain_ms"], 4), draft_step=round(steps["draft_ms"], 4),
+                      commit=round(steps["commit_ms"], 4))
+    return ms, "dspine_train.engine.profiling.time_engine_steps"
 
 
 def local_step_times(ck: Check, engine: Engine) -> dict[str, float]:
