@@ -486,8 +486,8 @@ def section_real_shapes(ck: Check, fig: Figures) -> None:
     hf, target, config = real["hf"], real["target"], real["config"]
     fig.update(config={k: getattr(config, k) for k in (
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "intermediate_size", "vocab_size", "rope_theta")
-        if hasattr(config, k)}, dtype="bfloat16", build_s=round(real["build_s"], 2),
+        "head_dim", "intermediate_size", "vocab_size", "rope_theta", "rope_parameters")
+        if getattr(config, k, None) is not None}, dtype="bfloat16", build_s=round(real["build_s"], 2),
         residual_scale=real["residual_scale"])
     fig["forward_vs_transformers"] = forward_parity(ck, hf, target)
     parity = fig["forward_vs_transformers"]
@@ -939,6 +939,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    unknown = sorted(set(args.only or []) - {name for name, _ in SECTIONS})
+    if unknown:
+        print(f"error: --only {unknown}: no such section (sections: "
+              f"{', '.join(name for name, _ in SECTIONS)})", file=sys.stderr)
+        return 2
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no CUDA device (use --device cpu --tiny)",
               file=sys.stderr)
