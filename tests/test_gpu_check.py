@@ -15,6 +15,7 @@ SECTIONS = ["environment", "gpu_tests", "exactness", "real_shapes", "timings", "
 
 
 def _load_script():
+    """scripts/gpu_check.py as a module (its `main` is the runner's)."""
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -84,7 +85,7 @@ def test_cpu_tiny_mode_runs_every_section_with_real_figures(cpu_report):
 
 
 def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
-    script = _load_script()
+    from dspine_train.gpu_check import runner as script
 
     def boom(check, fig):
         fig["before_the_error"] = 1
@@ -110,11 +111,18 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkey
 
 
 def test_over_budget_sections_are_skipped(tmp_path, monkeypatch):
-    script = _load_script()
+    from dspine_train.gpu_check import runner as script
     monkeypatch.setattr(script, "SECTIONS", [("late", lambda check, fig: None)])
     code = script.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--budget-s", "-1"])
     late = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["late"]
     assert code == 0 and late["status"] == "skipped" and late["reason"] == "over the time budget"
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
+    script = _load_script()
+    assert script.main(["--device", "cpu", "--tiny", "--only", "nope", "--out", str(tmp_path)]) == 2
+    assert "no such section" in capsys.readouterr().err
+    assert not (tmp_path / "gpu_check.json").exists()
 
 
 def test_oracle_draft_proposes_the_known_continuation_with_fixed_corruptions():
