@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-demo test lint demo bench clean
+.PHONY: install install-demo test lint demo bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,6 +44,11 @@ demo: install-demo
 bench: install
 	$(PY) scripts/bench_token_table.py
 	$(PY) scripts/bench_train.py
+
+# One GPU, no network, under 8 minutes: environment and attention backends, `pytest -m gpu`,
+# fp32 exactness, Qwen3-8B-shaped bf16 checks, step timings, memory against the plan.
+gpu-check: install
+	$(PY) scripts/gpu_check.py --device cuda --out docs/results/gpu_check
 
 clean:
 	rm -rf .cache artifacts outputs multirun
