@@ -38,6 +38,7 @@ from dspine_train.training.data import TokenBatches, check_supervised
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.inputs import check_inputs
 from dspine_train.training.offline_features import (
+    INDEX_FILE,
     cache_identity,
     estimate_cache_bytes,
     write_feature_cache,
@@ -56,9 +57,13 @@ def check_output_dir(root: Path, config: TrainConfig) -> None:
     inputs = {"data.train_path": [d.train_path], "data.eval_path": [d.eval_path or ""],
               "model.target_path": [m.target_path],
               "model.token_table_path": [m.token_table_path or ""]}
-    # a cache written before the marker existed holds only split directories
     check_replaceable(root, "data.offline_features_dir", MARKER, TOOL, inputs,
-                      legacy=(d.train_split, d.eval_split))
+                      is_legacy=_is_legacy_cache)
+
+
+def _is_legacy_cache(root: Path) -> bool:
+    """A cache written before the marker existed: split directories with an index, only."""
+    return all((entry / INDEX_FILE).is_file() for entry in root.iterdir())
 
 
 def cache_features(cfg: DictConfig) -> list[Path]:

@@ -12,7 +12,8 @@ Containers (chosen by ``fmt``, or by the path when ``fmt="auto"``):
                (read with ``load_dataset``).
 
 A directory of JSON/JSONL files is read file by file, in name order.  A directory with no data
-file, or holding a file of another kind, is an error naming it (hidden files are ignored).
+file, or holding a file of another kind, is an error naming it (hidden files, ``*.md`` and
+``LICENSE*`` files are ignored).
 A UTF-8 byte order mark at the start of a JSON/JSONL file is accepted (Windows editors write
 one).
 
@@ -76,6 +77,12 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8-sig", errors="surrogateescape")
 
 
+def _ignored(relative: Path) -> bool:
+    """Files a data directory may hold besides data: hidden ones, a README, a licence."""
+    return (any(part.startswith(".") for part in relative.parts) or relative.suffix == ".md"
+            or relative.name.startswith("LICENSE"))
+
+
 def data_files(directory: Path) -> list[Path]:
     """The data files of a plain directory input, checked: at least one, all of one kind.
 
@@ -83,8 +90,7 @@ def data_files(directory: Path) -> list[Path]:
     is neither JSON/JSONL nor a ``datasets`` file, or a mix of the two kinds.
     """
     files = sorted(p for p in directory.rglob("*")
-                   if p.is_file() and not any(part.startswith(".")
-                                              for part in p.relative_to(directory).parts))
+                   if p.is_file() and not _ignored(p.relative_to(directory)))
     if not files:
         raise DataError(f"{directory}: the directory holds no data file")
     kinds = {}

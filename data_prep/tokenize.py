@@ -61,7 +61,12 @@ SPLITS_FILE = "splits.json"
 MARKER = ".data_prep.tokenize"
 TOOL = "data_prep.tokenize"
 # What an output written before the marker existed holds: accepted as this tool's own.
-LEGACY_ENTRIES = ("train", "eval", "dataset_dict.json", SPLITS_FILE, REPORT_FILE)
+LEGACY_ENTRIES = {"train", "eval", "dataset_dict.json", SPLITS_FILE, REPORT_FILE}
+
+
+def _is_legacy_output(path: Path) -> bool:
+    return ((path / REPORT_FILE).is_file()
+            and {entry.name for entry in path.iterdir()} <= LEGACY_ENTRIES)
 
 
 class RowEncoder:
@@ -178,7 +183,7 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, output_dir: str 
         read_rows(path)  # a missing input or a directory without data files fails here, by name
     check_replaceable(output_dir, "data.tokenize.output_dir", MARKER, TOOL,
                       {"data.tokenize.input_paths": paths, **(other_inputs or {})},
-                      legacy=LEGACY_ENTRIES)
+                      is_legacy=_is_legacy_output)
     encoder = RowEncoder(tokenizer, max_length=max_length, truncation=truncation,
                          min_supervised_run=min_supervised_run, eval_fraction=eval_fraction,
                          seed=seed, chat_template_kwargs=chat_template_kwargs)

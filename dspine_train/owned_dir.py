@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 
@@ -45,11 +45,11 @@ def overlaps(a: Path, b: Path) -> bool:
 
 def check_replaceable(destination: Path, key: str, marker: str, tool: str,
                       inputs: Mapping[str, Iterable[str | Path]],
-                      legacy: Iterable[str] = ()) -> None:
+                      is_legacy: Callable[[Path], bool] | None = None) -> None:
     """Refuse ``destination`` (config key ``key``) unless ``tool`` may replace it.
 
-    ``inputs`` maps a config key to the paths it names; ``legacy`` lists the entries of an
-    output written before markers existed (such a directory, holding only those, is accepted).
+    ``inputs`` maps a config key to the paths it names; ``is_legacy`` recognises an output
+    of ``tool`` written before markers existed (accepted like a marked one).
     """
     for input_key, paths in inputs.items():
         for path in paths:
@@ -58,13 +58,13 @@ def check_replaceable(destination: Path, key: str, marker: str, tool: str,
                     f"{key}: {destination} overlaps {input_key} {path} (equal, inside or "
                     f"containing); {tool} replaces its output, so choose another directory")
     if destination.is_symlink() or (destination.exists() and not destination.is_dir()):
-        raise OwnedDirError(f"{key}: {destination} exists and is not a directory; {tool} "
-                            f"refuses to replace it (remove it or choose another path)")
+        raise OwnedDirError(f"{key}: {destination} exists and is not a plain directory (a "
+                            f"file or a symlink); {tool} refuses to replace it (remove it or "
+                            f"choose another path)")
     if not destination.is_dir() or has_marker(destination, marker):
         return
     entries = {entry.name for entry in destination.iterdir()}
-    legacy = set(legacy)
-    if not entries or (legacy and entries <= legacy):
+    if not entries or (is_legacy is not None and is_legacy(destination)):
         return
     raise OwnedDirError(
         f"{key}: {destination} is not empty and was not written by {tool} (no {marker} "

@@ -133,6 +133,7 @@ def test_tokenize_directory_of_jsonl_files_reads_every_file(tokenizer_dir, tmp_p
     (tmp_path / "inputs").mkdir()
     write_jsonl(tmp_path / "inputs" / "a.jsonl", rows(6)[:3])
     write_jsonl(tmp_path / "inputs" / "b.jsonl", rows(6)[3:])
+    (tmp_path / "inputs" / "README.md").write_text("# a dataset card is not data\n")
     out = tmp_path / "tokenized"
     code, err = run_cli(main, tokenize(tokenizer_dir, [tmp_path / "inputs"], out,
                                        "data.tokenize.eval_fraction=0"),

@@ -211,7 +211,7 @@ def test_tokenize_refuses_a_file_and_leaves_no_old_copy(tmp_path, tokenizer_dir)
 
     out = tmp_path / "tokenized"
     out.write_text("a file")
-    with pytest.raises(OwnedDirError, match="not a directory"):
+    with pytest.raises(OwnedDirError, match="not a plain directory"):
         run_tokenize(_tokenize_into(tmp_path, tokenizer_dir, out))
     assert out.read_text() == "a file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "tokenized"]
