@@ -160,22 +160,10 @@ def test_tokenize_accepts_a_utf8_byte_order_mark(container, tokenizer_dir, tmp_p
     assert report["kept"] == 6 and report["drop_reasons"] == {}
 
 
-def test_tokenize_eval_split_left_empty_is_an_error(tokenizer_dir, tmp_path, monkeypatch,
-                                                    capsys):
-    from data_prep.tokenize import main
-
-    inputs = write_jsonl(tmp_path / "c.jsonl", rows(3))
-    out = tmp_path / "tokenized"
-    # no id of r0..r2 hashes below 0.001: the eval split would be written empty
-    code, err = run_cli(main, tokenize(tokenizer_dir, [inputs], out,
-                                       "data.tokenize.eval_fraction=0.001"),
-                        tmp_path, monkeypatch, capsys)
-    assert_one_line_error(code, err, "data.tokenize.eval_fraction", "eval split")
-    assert leftovers(out) == []
-
-
-def test_tokenize_eval_fraction_zero_writes_no_eval_split(tokenizer_dir, tmp_path, monkeypatch,
-                                                          capsys):
+@pytest.mark.parametrize("fraction", ["0.001", "0"])
+def test_tokenize_eval_split_left_empty_is_an_error(fraction, tokenizer_dir, tmp_path,
+                                                    monkeypatch, capsys):
+    """0.001: no id of r0..r2 hashes below it, the eval split would be empty; 0: no eval."""
     from datasets import load_from_disk
 
     from data_prep.tokenize import main
@@ -183,10 +171,14 @@ def test_tokenize_eval_fraction_zero_writes_no_eval_split(tokenizer_dir, tmp_pat
     inputs = write_jsonl(tmp_path / "c.jsonl", rows(3))
     out = tmp_path / "tokenized"
     code, err = run_cli(main, tokenize(tokenizer_dir, [inputs], out,
-                                       "data.tokenize.eval_fraction=0"),
+                                       f"data.tokenize.eval_fraction={fraction}"),
                         tmp_path, monkeypatch, capsys)
-    assert code == 0, err[-2000:]
-    assert set(load_from_disk(str(out))) == {"train"}
+    if fraction == "0":
+        assert code == 0, err[-2000:]
+        assert set(load_from_disk(str(out))) == {"train"}
+        return
+    assert_one_line_error(code, err, "data.tokenize.eval_fraction", "eval split")
+    assert leftovers(out) == []
 
 
 def test_tokenize_full_disk_names_enospc_and_keeps_the_old_output(tokenizer_dir, tmp_path,
