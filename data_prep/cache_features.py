@@ -9,6 +9,12 @@ Same recipe and overrides as training:
     python train.py recipe=tiny data.offline_features_dir=artifacts/tiny_features
 
 Single process; the cache is ~(n + 1) x H x 2 bytes per token in bf16 (~40 KB for Qwen3-8B).
+
+`data.offline_features_dir` must not overlap an input (the datasets, the target, the token
+table: equal, inside or containing) and, when it exists, must be a directory this tool wrote
+(marker `.data_prep.cache_features`) or empty; anything else is refused by name. The cache
+records the fingerprints of the target and of the token data (see
+`dspine_train.training.offline_features`), which training checks.
 """
 
 from __future__ import annotations
@@ -20,12 +26,20 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from dspine_train.training.config import ConfigError, register_configs, to_train_config
-from dspine_train.training.data import TokenBatches
+from data_prep.cli_errors import os_error_line
+from dspine_train.owned_dir import OwnedDirError, check_replaceable, write_marker
+from dspine_train.training.config import (
+    ConfigError,
+    TrainConfig,
+    register_configs,
+    to_train_config,
+)
+from dspine_train.training.data import TokenBatches, check_supervised
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.inputs import check_inputs
 from dspine_train.training.offline_features import (
-    CacheIdentity,
+    INDEX_FILE,
+    cache_identity,
     estimate_cache_bytes,
     write_feature_cache,
 )
@@ -33,6 +47,23 @@ from dspine_train.training.target import TargetFeatureExtractor, load_target
 
 register_configs()
 RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
+MARKER = ".data_prep.cache_features"
+TOOL = "data_prep.cache_features"
+
+
+def check_output_dir(root: Path, config: TrainConfig) -> None:
+    """Refuse a `data.offline_features_dir` overlapping an input or holding foreign files."""
+    m, d = config.model, config.data
+    inputs = {"data.train_path": [d.train_path], "data.eval_path": [d.eval_path or ""],
+              "model.target_path": [m.target_path],
+              "model.token_table_path": [m.token_table_path or ""]}
+    check_replaceable(root, "data.offline_features_dir", MARKER, TOOL, inputs,
+                      is_legacy=_is_legacy_cache)
+
+
+def _is_legacy_cache(root: Path) -> bool:
+    """A cache written before the marker existed: split directories with an index, only."""
+    return all((entry / INDEX_FILE).is_file() for entry in root.iterdir())
 
 
 def cache_features(cfg: DictConfig) -> list[Path]:
@@ -41,6 +72,8 @@ def cache_features(cfg: DictConfig) -> list[Path]:
     m, d = config.model, config.data
     if not d.offline_features_dir:
         raise ConfigError("data.offline_features_dir: set where the feature cache goes")
+    root = Path(d.offline_features_dir)
+    check_output_dir(root, config)
     # the trainer's own input checks: same target layers, same splits, same errors
     inputs = check_inputs(config)
     target_config = inputs.target_config
@@ -56,6 +89,7 @@ def cache_features(cfg: DictConfig) -> list[Path]:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(m.target_dtype,
                                                                        torch.float32)
     for split, batches in datasets:
+        check_supervised(batches)
         size = estimate_cache_bytes(int(batches.lengths.sum()), len(layer_ids),
                                     target_config.hidden_size, dtype)
         print(f"split {split!r}: {len(batches)} rows, {int(batches.lengths.sum()):,} tokens -> "
@@ -63,9 +97,11 @@ def cache_features(cfg: DictConfig) -> list[Path]:
     target = load_target(m.target_path, m.target_dtype, device, m.trust_remote_code)
     extract = TargetFeatureExtractor(target, layer_ids)
     written = []
+    root.mkdir(parents=True, exist_ok=True)
+    write_marker(root, MARKER, TOOL)
     for split, batches in datasets:
-        out = Path(d.offline_features_dir) / split
-        identity = CacheIdentity(m.target_path, list(layer_ids), d.max_length, len(batches))
+        out = root / split
+        identity = cache_identity(m.target_path, layer_ids, d.max_length, batches)
         write_feature_cache(out, batches, extract, identity, device,
                             batch_size=max(1, d.batch_size))
         written.append(out)
@@ -78,8 +114,12 @@ def main(cfg: DictConfig) -> None:
     """Hydra entry point; bad input exits 1 with the message."""
     try:
         cache_features(cfg)
-    except (ConfigError, TrainingError) as err:
+    except (ConfigError, TrainingError, OwnedDirError) as err:
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as err:
+        where = f"data.offline_features_dir {cfg.data.offline_features_dir}"
+        print(f"error: {os_error_line(err, where)}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
@@ -132,6 +133,18 @@ class LocalBackendConfig:
                "regenerate.local.dtype", "must be auto, float32, bfloat16 or float16")
 
 
+def _is_http_url(url: Any) -> bool:
+    """Whether ``url`` is ``http(s)://host[:port][/path]`` (with a valid port, if any)."""
+    if not isinstance(url, str) or any(c.isspace() for c in url):
+        return False
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 -- raises ValueError on a port that is not a number in range
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 @dataclass
 class HttpBackendConfig:
     """One or more OpenAI-compatible ``/v1/chat/completions`` servers (SGLang, vLLM)."""
@@ -147,6 +160,9 @@ class HttpBackendConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.urls), "regenerate.http.urls", "needs at least one URL")
+        for index, url in enumerate(self.urls):
+            _check(_is_http_url(url), f"regenerate.http.urls[{index}]",
+                   f"{url!r} is not an http(s) URL with a host (e.g. http://127.0.0.1:30000)")
         _check(self.max_in_flight > 0, "regenerate.http.max_in_flight", "must be > 0")
         _check(self.timeout_s > 0, "regenerate.http.timeout_s", "must be > 0")
         _check(self.max_retries >= 0, "regenerate.http.max_retries", "must be >= 0")

@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data_prep.config import default_target_dir
-from data_prep.shards import replace_dir
+from dspine_train.owned_dir import replace_dir
 
 ASSEMBLY_FILE = "assembly.json"
 GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"

@@ -8,8 +8,14 @@ Containers (chosen by ``fmt``, or by the path when ``fmt="auto"``):
                ``json.JSONDecoder.raw_decode`` so a file truncated at the end (the ShareGPT V3
                release is) still yields every complete record;
 * ``datasets`` a directory written by ``Dataset.save_to_disk`` (read with ``load_from_disk``),
-               or a ``.parquet`` / ``.arrow`` / ``.csv`` file or a directory of data files
+               or a ``.parquet`` / ``.arrow`` / ``.csv`` file or a directory of such files
                (read with ``load_dataset``).
+
+A directory of JSON/JSONL files is read file by file, in name order.  A directory with no data
+file, or holding a file of another kind, is an error naming it (hidden files, ``*.md`` and
+``LICENSE*`` files are ignored).
+A UTF-8 byte order mark at the start of a JSON/JSONL file is accepted (Windows editors write
+one).
 
 Inside a container each record is ShareGPT-style (``conversations`` of ``from``/``value``) or
 OpenAI-style (``messages`` of ``role``/``content``), detected per record.  Bad rows are yielded
@@ -46,6 +52,9 @@ FORMATS = ("auto", "jsonl", "json", "datasets")
 _DATASETS_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
+_JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
 def detect_format(path: Path) -> str:
     """The container format ``fmt="auto"`` picks for ``path``."""
     if path.is_dir() or path.suffix in _DATASETS_BUILDERS:
@@ -62,9 +71,41 @@ def detect_format(path: Path) -> str:
 
 
 def _open_text(path: Path):
+    # utf-8-sig drops a leading byte order mark and is plain UTF-8 otherwise
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
-    return open(path, encoding="utf-8", errors="surrogateescape")
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape")
+    return open(path, encoding="utf-8-sig", errors="surrogateescape")
+
+
+def _ignored(relative: Path) -> bool:
+    """Files a data directory may hold besides data: hidden ones, a README, a licence."""
+    return (any(part.startswith(".") for part in relative.parts) or relative.suffix == ".md"
+            or relative.name.startswith("LICENSE"))
+
+
+def data_files(directory: Path) -> list[Path]:
+    """The data files of a plain directory input, checked: at least one, all of one kind.
+
+    Raises :class:`DataError` naming the directory when it holds none, or the first file that
+    is neither JSON/JSONL nor a ``datasets`` file, or a mix of the two kinds.
+    """
+    files = sorted(p for p in directory.rglob("*")
+                   if p.is_file() and not _ignored(p.relative_to(directory)))
+    if not files:
+        raise DataError(f"{directory}: the directory holds no data file")
+    kinds = {}
+    for file in files:
+        if file.name.endswith(_JSON_SUFFIXES):
+            kinds[file] = "json"
+        elif file.suffix in _DATASETS_BUILDERS:
+            kinds[file] = "datasets"
+        else:
+            raise DataError(f"{file}: not a data file (expected "
+                            f"{', '.join(_JSON_SUFFIXES + tuple(_DATASETS_BUILDERS))})")
+    if len(set(kinds.values())) > 1:
+        raise DataError(f"{directory}: mixes JSON files and {', '.join(_DATASETS_BUILDERS)} "
+                        f"files; give them as separate inputs")
+    return files
 
 
 def _outcome(record: Any, ref: RowRef, strict: bool, record_map: RecordMap | None) -> ReadResult:
@@ -146,14 +187,21 @@ def read_datasets(path: Path, *, split: str = "train", strict: bool = False,
             if split not in loaded:
                 raise DataError(f"{path}: no split {split!r}; it has {sorted(loaded)}")
             loaded = loaded[split]
-    elif path.is_dir():
-        loaded = datasets.load_dataset(str(path), split=split)
     else:
-        builder = _DATASETS_BUILDERS.get(path.suffix)
-        if builder is None:
-            raise DataError(f"{path}: datasets format needs a directory or one of "
-                            f"{', '.join(_DATASETS_BUILDERS)}")
-        loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
+        if path.is_dir():
+            data_files(path)
+            arguments = {"path": str(path), "split": split}
+        else:
+            builder = _DATASETS_BUILDERS.get(path.suffix)
+            if builder is None:
+                raise DataError(f"{path}: datasets format needs a directory or one of "
+                                f"{', '.join(_DATASETS_BUILDERS)}")
+            arguments = {"path": builder, "data_files": str(path), "split": "train"}
+        try:
+            loaded = datasets.load_dataset(**arguments)
+        except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise DataError(f"{path}: cannot read it as a dataset: {first}") from None
     for index, record in enumerate(loaded, start=1):
         yield _outcome(record, RowRef(path.name, index), strict, record_map)
 
@@ -170,9 +218,23 @@ def read_rows(path: str | Path, *, fmt: str = "auto", split: str = "train", stri
         raise DataError(f"{path}: no such file or directory")
     if fmt not in FORMATS:
         raise DataError(f"{path}: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if path.is_dir() and fmt in ("auto", "jsonl", "json") and not (
+            (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        files = data_files(path)
+        if files[0].name.endswith(_JSON_SUFFIXES):
+            return _read_json_files(files, strict=strict, record_map=record_map)
     fmt = detect_format(path) if fmt == "auto" else fmt
     if fmt == "jsonl":
         return read_jsonl(path, strict=strict, record_map=record_map)
     if fmt == "json":
         return read_json_array(path, strict=strict, record_map=record_map)
     return read_datasets(path, split=split, strict=strict, record_map=record_map)
+
+
+def _read_json_files(files: list[Path], *, strict: bool,
+                     record_map: RecordMap | None) -> Iterator[ReadResult]:
+    for file in files:
+        if detect_format(file) == "json":
+            yield from read_json_array(file, strict=strict, record_map=record_map)
+        else:
+            yield from read_jsonl(file, strict=strict, record_map=record_map)

@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from data_prep.backends import Backend, backend_identity, build_backend
+from data_prep.cli_errors import os_error_line
 from data_prep.config import RECIPES_PATH, DataConfig, to_data_config
 from data_prep.schema import DataError
 from data_prep.shards import (
@@ -76,6 +77,10 @@ def run_regeneration(data: DataConfig, backend: Backend | None = None) -> dict[s
     """
     output_dir = Path(data.regenerate.output_dir)
     source = load_source(data.source)
+    if not source.rows:
+        # nothing to do is not success: an empty file or a wrong path pattern must not pass
+        raise DataError(f"data.source: no row to regenerate (counts: {source.counts}; "
+                        f"skipped: {sorted({row.reason for row in source.skipped})})")
     output_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(output_dir):
         return _regenerate_locked(data, source, backend, output_dir)
@@ -153,6 +158,10 @@ def main(cfg: DictConfig) -> None:
         report = run_regeneration(data)
     except (DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as error:
+        where = f"data.regenerate.output_dir {cfg.data.regenerate.output_dir}"
+        print(f"error: {os_error_line(error, where)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"\ninterrupted; finished rows are saved in {cfg.data.regenerate.output_dir}, "

@@ -1,4 +1,4 @@
-"""Atomic outputs: JSONL shards (the regeneration output and its resume state), files, dirs.
+"""Atomic outputs: JSONL shards (the regeneration output and its resume state) and files.
 
 A shard is written to ``part-NNNNN.jsonl.tmp``, flushed to disk and renamed to
 ``part-NNNNN.jsonl``; a rename is atomic, so a shard either exists complete or not at all,
@@ -12,7 +12,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -84,24 +83,15 @@ def exclusive_lock(output_dir: str | Path) -> Iterator[None]:
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file, fsync and rename."""
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-def replace_dir(source: Path, destination: Path) -> None:
-    """Move the finished directory ``source`` to ``destination``, replacing an old one.
-
-    The old directory is renamed aside first, so ``destination`` is at every moment either
-    the complete old output or the complete new one.
-    """
-    stale = destination.parent / f".{destination.name}.old-{os.getpid()}"
-    if destination.exists():
-        destination.rename(stale)
-    source.rename(destination)
-    shutil.rmtree(stale, ignore_errors=True)
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+        raise
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ and renamed into place)::
     train/, eval/, dataset_dict.json   columns input_ids (int32), loss_mask (int8), length (int32)
     splits.json                        row ids of each split, in row order
     tokenize_report.json               counts, the drop reason of every dropped row, settings
+    .data_prep.tokenize                marker: this tool wrote the directory and may replace it
+
+The output directory is replaced only when it carries the marker (or is empty, or holds
+only an older output of this tool); anything else -- the regeneration shards, unrelated files,
+a file, a path overlapping an input -- is refused by name (see :mod:`dspine_train.owned_dir`).
+With ``eval_fraction`` 0 no eval split is written; an eval share that leaves either split
+empty is an error naming ``data.tokenize.eval_fraction``.
 
 Masks follow :mod:`data_prep.loss_mask`.  Policy: a row longer than ``max_length`` keeps its
 first ``max_length`` tokens (``truncation=right``; the draft still learns from the answer's
@@ -24,7 +31,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,16 +40,33 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from data_prep.cli_errors import os_error_line
 from data_prep.config import RECIPES_PATH, DataConfig, TokenizeConfig, Truncation, to_data_config
 from data_prep.loss_mask import TemplateError, end_of_turn_token, longest_run, tokenize_conversation
 from data_prep.readers import read_rows
 from data_prep.schema import DataError, SkippedRow
-from data_prep.shards import replace_dir, shard_paths
+from data_prep.shards import shard_paths
 from data_prep.sources import is_heldout
+from dspine_train.owned_dir import (
+    build_dir,
+    check_replaceable,
+    clean_dead_builds,
+    replace_dir,
+    write_marker,
+)
 
 COLUMNS = ("input_ids", "loss_mask", "length")
 REPORT_FILE = "tokenize_report.json"
 SPLITS_FILE = "splits.json"
+MARKER = ".data_prep.tokenize"
+TOOL = "data_prep.tokenize"
+# What an output written before the marker existed holds: accepted as this tool's own.
+LEGACY_ENTRIES = {"train", "eval", "dataset_dict.json", SPLITS_FILE, REPORT_FILE}
+
+
+def _is_legacy_output(path: Path) -> bool:
+    return ((path / REPORT_FILE).is_file()
+            and {entry.name for entry in path.iterdir()} <= LEGACY_ENTRIES)
 
 
 class RowEncoder:
@@ -144,29 +167,42 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, output_dir: str 
                    max_length: int = 2048, truncation: Truncation = Truncation.right,
                    min_supervised_run: int = 2, eval_fraction: float = 0.02, seed: int = 0,
                    num_proc: int = 1, chat_template_kwargs: Mapping[str, Any] | None = None,
+                   other_inputs: Mapping[str, Sequence[str | Path]] | None = None,
                    ) -> dict[str, Any]:
     """Tokenise conversation files into ``output_dir``; return the report (also saved there).
 
-    This is the function the trainer can call directly; the CLI wraps it.
+    This is the function the trainer can call directly; the CLI wraps it.  ``output_dir``
+    must be one this tool may replace (module docstring); ``other_inputs`` (config key ->
+    paths) are refused as outputs too.
     """
     from datasets import Dataset, DatasetDict
+    from datasets.exceptions import DatasetGenerationError
 
     output_dir = Path(output_dir)
+    for path in paths:
+        read_rows(path)  # a missing input or a directory without data files fails here, by name
+    check_replaceable(output_dir, "data.tokenize.output_dir", MARKER, TOOL,
+                      {"data.tokenize.input_paths": paths, **(other_inputs or {})},
+                      is_legacy=_is_legacy_output)
     encoder = RowEncoder(tokenizer, max_length=max_length, truncation=truncation,
                          min_supervised_run=min_supervised_run, eval_fraction=eval_fraction,
                          seed=seed, chat_template_kwargs=chat_template_kwargs)
     conversation_features, encoded_features = _features()
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    clean_dead_builds(output_dir)
+    build = build_dir(output_dir)
     try:
         read_log = _ReadLog()
         # Written to Arrow files in the build directory, so memory stays flat on big inputs
         # and no stale datasets cache from an earlier run can be picked up.
         try:
             raw = Dataset.from_generator(_conversations, features=conversation_features,
-                                         cache_dir=str(build_dir / "cache"),
+                                         cache_dir=str(build / "cache"),
                                              gen_kwargs={"paths": tuple(str(p) for p in paths),
                                                      "log": read_log})
+        except DatasetGenerationError as error:
+            if isinstance(error.__cause__, DataError):
+                raise error.__cause__ from None
+            raise
         except ValueError:
             if read_log.yielded:
                 raise
@@ -196,11 +232,18 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, output_dir: str 
         kept = kept.select(sorted(range(len(row_ids)), key=row_ids.__getitem__))
         splits = {}
         ids = {}
-        for name, want_eval in (("train", False), ("eval", True)):
+        for name, want_eval in (("train", False), ("eval", True))[:2 if eval_fraction else 1]:
             part = kept.filter(lambda flag, want=want_eval: flag == want, input_columns="eval")
             ids[name] = list(part["id"])
             splits[name] = part.select_columns(list(COLUMNS))
-        dataset_dir = build_dir / "dataset"
+            if not ids[name]:
+                raise DataError(
+                    f"data.tokenize.eval_fraction={eval_fraction} leaves the {name} split "
+                    f"empty ({len(kept)} rows kept, split by a hash of the row id); "
+                    + ("lower it" if name == "train" else
+                       "raise it, add rows, or set it to 0 for no eval split"))
+        ids.setdefault("eval", [])
+        dataset_dir = build / "dataset"
         DatasetDict(splits).save_to_disk(str(dataset_dir))
         report = {
             "input_rows": len(raw) + len(skipped),
@@ -220,9 +263,10 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, output_dir: str 
         }
         (dataset_dir / SPLITS_FILE).write_text(json.dumps(ids) + "\n")
         (dataset_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        write_marker(dataset_dir, MARKER, TOOL)
         replace_dir(dataset_dir, output_dir)
     finally:
-        shutil.rmtree(build_dir, ignore_errors=True)
+        shutil.rmtree(build, ignore_errors=True)
     return report
 
 
@@ -244,7 +288,10 @@ def run_tokenize(data: DataConfig) -> dict[str, Any]:
                           truncation=config.truncation,
                           min_supervised_run=config.min_supervised_run,
                           eval_fraction=config.eval_fraction, seed=config.seed,
-                          num_proc=config.num_proc, chat_template_kwargs=kwargs)
+                          num_proc=config.num_proc, chat_template_kwargs=kwargs,
+                          other_inputs={
+                              "data.tokenize.tokenizer_path": [config.tokenizer_path],
+                              "data.regenerate.output_dir": [data.regenerate.output_dir]})
 
 
 @hydra.main(version_base="1.3", config_path=RECIPES_PATH, config_name="data_prep_job")
@@ -256,6 +303,10 @@ def main(cfg: DictConfig) -> None:
         report = run_tokenize(data)
     except (DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as error:
+        where = f"data.tokenize.output_dir {cfg.data.tokenize.output_dir}"
+        print(f"error: {os_error_line(error, where)}", file=sys.stderr)
         sys.exit(1)
     summary = {key: report[key] for key in ("input_rows", "kept", "dropped", "train_rows",
                                              "eval_rows", "truncated_rows", "drop_reasons")}

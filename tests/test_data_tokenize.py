@@ -154,3 +154,103 @@ def test_no_usable_rows_is_a_clear_error_and_writes_nothing(tmp_path, tokenizer_
     with pytest.raises(DataError, match="no_assistant_turn"):
         run_tokenize(data)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+# ----------------------------------------------------------- output directory ownership
+def _tokenize_into(tmp_path: Path, tokenizer_dir: Path, out: Path, *extra: str):
+    inputs = write_jsonl(tmp_path / "c.jsonl", [chat_row(f"r{i}", f"question {i}", f"answer {i}")
+                                                 for i in range(8)])
+    return compose_data(f"data.tokenize.tokenizer_path={tokenizer_dir}",
+                        f"data.tokenize.input_paths=[{inputs}]",
+                        f"data.tokenize.output_dir={out}", "data.tokenize.eval_fraction=0",
+                        *extra)
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_tokenize_refuses_the_regeneration_directory(tmp_path, tokenizer_dir):
+    from data_prep.schema import DataError
+    from dspine_train.owned_dir import OwnedDirError
+
+    shards = tmp_path / "regenerated"
+    shards.mkdir()
+    write_jsonl(shards / "part-00000.jsonl", [chat_row("a", "question", "answer")])
+    (shards / "regenerate_settings.json").write_text("{}\n")
+    before = _files(shards)
+    data = _tokenize_into(tmp_path, tokenizer_dir, shards,
+                          f"data.regenerate.output_dir={tmp_path / 'elsewhere'}")
+    with pytest.raises((OwnedDirError, DataError),
+                       match=r"data\.tokenize\.output_dir: .*regenerated .*not written by"):
+        run_tokenize(data)
+    assert _files(shards) == before
+    # and, when the shards are the input, as an overlap of the input
+    data = compose_data(f"data.tokenize.tokenizer_path={tokenizer_dir}",
+                        f"data.regenerate.output_dir={shards}",
+                        f"data.tokenize.output_dir={shards}")
+    with pytest.raises(OwnedDirError, match=r"data\.tokenize\.output_dir: .* overlaps"):
+        run_tokenize(data)
+    assert _files(shards) == before
+
+
+def test_tokenize_refuses_a_directory_with_unrelated_files(tmp_path, tokenizer_dir):
+    from dspine_train.owned_dir import OwnedDirError
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(OwnedDirError, match="notes.txt"):
+        run_tokenize(_tokenize_into(tmp_path, tokenizer_dir, out))
+    assert _files(out) == {"notes.txt": b"keep me"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "mine"]
+
+
+def test_tokenize_refuses_a_file_and_leaves_no_old_copy(tmp_path, tokenizer_dir):
+    from dspine_train.owned_dir import OwnedDirError
+
+    out = tmp_path / "tokenized"
+    out.write_text("a file")
+    with pytest.raises(OwnedDirError, match="not a plain directory"):
+        run_tokenize(_tokenize_into(tmp_path, tokenizer_dir, out))
+    assert out.read_text() == "a file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "tokenized"]
+
+
+def test_tokenize_replaces_its_own_output_and_an_unmarked_older_one(tmp_path, tokenizer_dir):
+    from data_prep.tokenize import MARKER
+
+    out = tmp_path / "tokenized"
+    run_tokenize(_tokenize_into(tmp_path, tokenizer_dir, out))
+    assert (out / MARKER).is_file()
+    (out / MARKER).unlink()  # an output written before the marker existed
+    report = run_tokenize(_tokenize_into(tmp_path, tokenizer_dir, out, "data.tokenize.seed=3"))
+    assert report["settings"]["seed"] == 3 and (out / MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "tokenized"]
+
+
+def test_tokenize_cleans_builds_left_by_a_killed_run(tmp_path, tokenizer_dir):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid whose process has exited
+    out = tmp_path / "tokenized"
+    run_tokenize(_tokenize_into(tmp_path, tokenizer_dir, out))
+    build = tmp_path / f".tokenized.tmp-{dead.pid}-x1y2"
+    (build / "cache").mkdir(parents=True)
+    stale = tmp_path / f".tokenized.old-{dead.pid}"
+    stale.mkdir()
+    live = tmp_path / f".tokenized.tmp-{os.getppid()}-live"  # a running process's build
+    live.mkdir()
+    run_tokenize(_tokenize_into(tmp_path, tokenizer_dir, out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "c.jsonl", "tokenized"]
+
+
+def test_a_kill_between_the_two_renames_puts_the_old_output_back(tmp_path):
+    from dspine_train.owned_dir import clean_dead_builds
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    aside = tmp_path / f".out.old-{dead.pid}"
+    aside.mkdir()
+    (aside / "data").write_text("old output")
+    assert clean_dead_builds(tmp_path / "out") == []
+    assert (tmp_path / "out" / "data").read_text() == "old output" and not aside.exists()

@@ -21,7 +21,7 @@ from ..training.config import TrainConfig, validate_config
 from ..training.data import TokenBatches, epoch_batches, load_token_dataset, split_names
 from ..training.draft_step import DraftStep
 from ..training.evaluation import AcceptanceStats, stats_from_counts
-from ..training.offline_features import CacheIdentity, OfflineFeatures
+from ..training.offline_features import OfflineFeatures, cache_identity
 from ..training.target import read_embedding_and_head
 
 # The trainer's private seeding of its evaluation anchors, imported rather than copied so that
@@ -64,8 +64,8 @@ def simulated_acceptance(draft_dir: Path, config: TrainConfig) -> AcceptanceStat
                            d.max_length, draft.config.vocab_size, "data.eval_path")
     cache = OfflineFeatures(
         Path(d.offline_features_dir) / d.eval_split,
-        CacheIdentity(config.model.target_path, list(draft.config.target_layer_ids),
-                      d.max_length, len(batches)),
+        cache_identity(config.model.target_path, list(draft.config.target_layer_ids),
+                       d.max_length, batches),
     )
     # The trainer's plan: one length-grouped epoch, cut to `max_blocks` blocks.
     per_batch = config.eval.batch_size * config.eval.num_anchors

@@ -212,3 +212,17 @@ class BatchStream:
     def epoch_of(self, position: int) -> float:
         """Epochs completed at stream `position` (fractional)."""
         return position / self.batches_per_epoch
+
+
+def check_supervised(batches: TokenBatches) -> None:
+    """Refuse token data without one anchor (two consecutive supervised tokens) to train on."""
+    for table in batches.dataset.with_format("arrow").iter(batch_size=4096):
+        for chunk in table.column("loss_mask").chunks:
+            mask = np.asarray(chunk.flatten(), dtype=bool)
+            ends = np.cumsum(np.asarray(chunk.value_lengths()))  # a row's end is no anchor pair
+            pairs = mask[:-1] & mask[1:]
+            pairs[ends[:-1][ends[:-1] > 0] - 1] = False
+            if pairs.any():
+                return
+    raise TrainingError(f"{batches.role}: no row has two consecutive supervised tokens "
+                        "(loss_mask 1): nothing to train on; check the loss masks of the data")

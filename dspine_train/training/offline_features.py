@@ -2,7 +2,8 @@
 
 Layout of one split's cache, `<offline_features_dir>/<split>/`:
 
-    index.json            target, layer ids, max_length, dtype, rows and the shard table
+    index.json            target, layer ids, max_length, dtype, rows, the fingerprints of the
+                          target and of the token data, and the shard table
     shard_00000.safetensors
         context       (T, n*H)  hidden states at the target layers, T = tokens in the shard
         final_hidden  (T, H)    the target's final normed hidden state
@@ -11,27 +12,39 @@ Layout of one split's cache, `<offline_features_dir>/<split>/`:
 Rows are stored in dataset order, cut to `max_length`, without padding. Sizes are large
 (positions x (n+1) x H x 2 bytes in bf16, ~40 KB per token for Qwen3-8B), so
 `estimate_cache_bytes` is printed before anything is written.
+
+A cache is tied to what it was made from (`CacheIdentity`, built by `cache_identity`): the
+target's fingerprint (its config and, per weight file, name, size and a hash of sampled
+chunks) and the token data's fingerprint (a hash of every row's input ids). Training refuses
+a cache whose fingerprints differ from its own inputs and names both sides.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ..owned_dir import build_dir, check_replaceable, clean_dead_builds, replace_dir
 from .data import TokenBatches
 from .errors import TrainingError
 from .target import TargetFeatures
 
 INDEX_FILE = "index.json"
+# Config keys that do not change what the target computes (where it was saved from, by which
+# transformers release), left out of its fingerprint.
+_UNFINGERPRINTED_CONFIG_KEYS = ("_name_or_path", "transformers_version")
+_SAMPLES_PER_FILE, _SAMPLE_BYTES = 16, 1 << 16
 
 
 def estimate_cache_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -39,14 +52,69 @@ def estimate_cache_bytes(num_tokens: int, num_layers: int, hidden_size: int, dty
     return num_tokens * (num_layers + 1) * hidden_size * torch.empty((), dtype=dtype).element_size()
 
 
+def target_fingerprint(path: str | Path) -> str:
+    """sha256 of a target's config and weight files (name, size, sampled chunks).
+
+    Reading every weight would take minutes for an 8B target; 16 chunks of 64 KiB spread over
+    each file tell apart two fine-tunes of one base, whose sizes and headers are equal.
+    """
+    root = Path(path)
+    digest = hashlib.sha256()
+    config_path = root / "config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        for key in _UNFINGERPRINTED_CONFIG_KEYS:
+            config.pop(key, None)
+        digest.update(json.dumps(config, sort_keys=True).encode())
+    for file in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as handle:
+            for i in range(_SAMPLES_PER_FILE):
+                handle.seek(max(0, size - _SAMPLE_BYTES) * i // (_SAMPLES_PER_FILE - 1))
+                digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def data_fingerprint(dataset: datasets.Dataset) -> str:
+    """sha256 of every row's `input_ids` (as int64, row by row): the same ids, the same hash.
+
+    Independent of the dtype the ids are stored in and of the run that tokenised them, so a
+    re-tokenisation of the same data keeps its cache valid.
+    """
+    digest = hashlib.sha256()
+    for table in dataset.with_format("arrow").iter(batch_size=4096):
+        for chunk in table.column("input_ids").chunks:
+            digest.update(np.asarray(chunk.value_lengths(), dtype=np.int64).tobytes())
+            digest.update(np.asarray(chunk.flatten(), dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
 @dataclass
 class CacheIdentity:
-    """What a cache was made from; training refuses a cache that does not match its recipe."""
+    """What a cache was made from; training refuses a cache that does not match its recipe.
+
+    `target_path` and `data_source` say where the inputs were (for messages; the same target
+    may live at another path on this machine); the fingerprints say what they were.
+    """
 
     target_path: str
     target_layer_ids: list[int]
     max_length: int
     num_rows: int
+    target_fingerprint: str = ""
+    data_source: str = ""
+    data_fingerprint: str = ""
+
+
+def cache_identity(target_path: str, target_layer_ids: Sequence[int], max_length: int,
+                   batches: TokenBatches) -> CacheIdentity:
+    """The identity of a cache of `batches` made with the target at `target_path`."""
+    files = batches.dataset.cache_files
+    where = str(Path(files[0]["filename"]).parent) if files else "an in-memory dataset"
+    return CacheIdentity(target_path, list(target_layer_ids), max_length, len(batches),
+                         target_fingerprint(target_path), f"{batches.role} {where}",
+                         data_fingerprint(batches.dataset))
 
 
 def write_feature_cache(
@@ -60,11 +128,29 @@ def write_feature_cache(
 ) -> None:
     """Run the target over every row of `batches` and write the sharded cache to `out_dir`.
 
-    Written into `<out_dir>.tmp` and renamed at the end, so a cache directory is always whole.
+    Written into a hidden sibling and swapped in at the end, so a cache directory is always
+    whole; an existing `out_dir` is replaced only when it is a feature cache (or empty).
     """
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    check_replaceable(out_dir, "data.offline_features_dir", INDEX_FILE,
+                      "data_prep.cache_features", {})
+    clean_dead_builds(out_dir)
+    tmp = build_dir(out_dir)
+    try:
+        _write_shards(tmp, batches, extract, identity, device, batch_size, shard_tokens)
+        replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_shards(
+    tmp: Path,
+    batches: TokenBatches,
+    extract: Callable[[torch.Tensor, torch.Tensor], TargetFeatures],
+    identity: CacheIdentity,
+    device: torch.device,
+    batch_size: int,
+    shard_tokens: int,
+) -> None:
     shards: list[dict[str, int | str]] = []
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     pending_tokens, first_row, dtype = 0, 0, None
@@ -100,8 +186,6 @@ def write_feature_cache(
     flush()
     index = {**identity.__dict__, "dtype": str(dtype).removeprefix("torch."), "shards": shards}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
 
 
 class OfflineFeatures:
@@ -115,9 +199,10 @@ class OfflineFeatures:
                 "`python -m data_prep.cache_features` with the same recipe first)"
             )
         self.index = json.loads(index_path.read_text())
+        _check_fingerprints(cache_dir, self.index, expected)
         for key, want in expected.__dict__.items():
-            if key == "target_path":
-                continue  # the same target may live at another path on this machine
+            if key in ("target_path", "data_source", "target_fingerprint", "data_fingerprint"):
+                continue  # where the inputs live may differ; the fingerprints are checked above
             if self.index.get(key) != want:
                 raise TrainingError(
                     f"data.offline_features_dir: {cache_dir} was cached with {key}="
@@ -151,3 +236,23 @@ class OfflineFeatures:
             context[i, : c.shape[0]] = c
             final[i, : f.shape[0]] = f
         return TargetFeatures(context=context, final_hidden=final)
+
+
+def _check_fingerprints(cache_dir: Path, index: dict, expected: CacheIdentity) -> None:
+    """Refuse a cache made from another target or other token data, naming both sides."""
+    where = f"data.offline_features_dir: {cache_dir}"
+    recreate = "recreate the cache (python -m data_prep.cache_features with this recipe)"
+    if expected.target_fingerprint and "target_fingerprint" not in index:
+        raise TrainingError(f"{where} records no fingerprints (made by an older version); "
+                            f"{recreate}")
+    if index.get("target_fingerprint") != expected.target_fingerprint:
+        raise TrainingError(
+            f"{where} was cached from the target {index.get('target_path')!r} (fingerprint "
+            f"{str(index.get('target_fingerprint'))[:16]}), but model.target_path "
+            f"{expected.target_path!r} has fingerprint {expected.target_fingerprint[:16]}: "
+            f"another target (config or weights differ); {recreate}")
+    if index.get("data_fingerprint") != expected.data_fingerprint:
+        raise TrainingError(
+            f"{where} was cached from {index.get('data_source')} (ids fingerprint "
+            f"{str(index.get('data_fingerprint'))[:16]}), but {expected.data_source} has ids "
+            f"fingerprint {expected.data_fingerprint[:16]}: other token data; {recreate}")

@@ -35,7 +35,7 @@ from .errors import TrainingError
 from .evaluation import AcceptanceStats, stats_from_counts
 from .export import export_draft
 from .inputs import check_inputs
-from .offline_features import CacheIdentity, OfflineFeatures
+from .offline_features import OfflineFeatures, cache_identity
 from .plots import plot_training
 from .target import (
     TargetFeatureExtractor,
@@ -142,12 +142,12 @@ class Trainer:
             root = Path(d.offline_features_dir)
             layers = list(self.draft_config.target_layer_ids)
             self.train_cache = OfflineFeatures(
-                root / d.train_split, CacheIdentity(cfg.model.target_path, layers, d.max_length,
-                                                    len(self.train_batches)))
+                root / d.train_split, cache_identity(cfg.model.target_path, layers, d.max_length,
+                                                     self.train_batches))
             if self.eval_batches is not None:
                 self.eval_cache = OfflineFeatures(
-                    root / d.eval_split, CacheIdentity(cfg.model.target_path, layers,
-                                                       d.max_length, len(self.eval_batches)))
+                    root / d.eval_split, cache_identity(cfg.model.target_path, layers,
+                                                        d.max_length, self.eval_batches))
 
     def _setup_optimization(self) -> None:
         cfg, acc = self.config, self.accelerator
