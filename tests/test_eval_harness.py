@@ -16,16 +16,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from data_prep.benchmarks import builtin_source, load_benchmark, load_benchmark_prompts
 from data_prep.sources import is_heldout
 from dspine_train.eval_harness import (
     BenchmarkError,
     BenchResult,
     build_engine,
-    builtin_source,
     encode_messages,
     evaluate,
-    load_benchmark,
-    load_benchmark_prompts,
     load_results,
     plot_results,
     results_markdown,
@@ -67,8 +65,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def results(assets) -> list[BenchResult]:
     with single_thread():
-        return evaluate(assets["target"], assets["draft"], [str(assets["prompts"])],
-                        [0.0, 1.0], max_new_tokens=24, limit=3, device="cpu")
+        bench = load_benchmark(str(assets["prompts"]), limit=3)
+        return evaluate(assets["target"], assets["draft"], [bench], [0.0, 1.0],
+                        max_new_tokens=24, device="cpu")
 
 
 def test_evaluate_measures_tau_speed_and_losslessness(results: list[BenchResult]) -> None:
@@ -110,11 +109,11 @@ def test_shared_ar_cache_runs_plain_decoding_once(assets) -> None:
         plain = engine.generate_ar
         engine.generate_ar = lambda *a, **k: calls.append(1) or plain(*a, **k)
         cache: dict = {}
-        kwargs = dict(max_new_tokens=12, limit=2, engine=engine, ar_cache=cache)
-        first = evaluate(assets["target"], assets["draft"], [str(assets["chats"])], [0.0],
+        kwargs = dict(max_new_tokens=12, engine=engine, ar_cache=cache)
+        first = evaluate(assets["target"], assets["draft"], bench, [0.0],
                          num_draft_tokens=BLOCK - 1, **kwargs)
         runs = len(calls)
-        second = evaluate(assets["target"], assets["draft"], [str(assets["chats"])], [0.0],
+        second = evaluate(assets["target"], assets["draft"], bench, [0.0],
                           num_draft_tokens=2, **kwargs)
     assert runs >= 1 and len(calls) == runs  # the second call reused the plain runs
     assert second[0].tokens_per_s_ar == first[0].tokens_per_s_ar
@@ -205,3 +204,21 @@ def test_bench_result_keeps_the_agreed_field_order() -> None:
     assert head[:12] == ["bench", "temperature", "num_prompts", "new_tokens", "tau",
                          "per_position", "tokens_per_s_spec", "tokens_per_s_ar", "speedup",
                          "lossless", "draft_ms_per_step", "verify_ms_per_step"]
+
+
+def test_the_harness_imports_nothing_from_data_prep_training_or_a_cli() -> None:
+    """Like the engine it sits beside, the harness is a library: no data pipeline, no trainer,
+    no command-line module comes with it (the caller loads the benchmarks)."""
+    code = ("import sys, dspine_train.eval_harness as h; "
+            "print('\\n'.join(m for m in sys.modules if m == 'data_prep' "
+            "or m.startswith(('data_prep.', 'dspine_train.training', 'hydra', 'deepspeed')) "
+            "or m.endswith(('.cli', '__main__')) and m.startswith('dspine_train')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == []
+
+
+def test_evaluate_asks_for_loaded_benchmarks() -> None:
+    with pytest.raises(BenchmarkError, match="loaded `Benchmark`s.*not names"):
+        evaluate("target", "draft", ["humaneval"], [0.0], engine=object())
