@@ -62,7 +62,6 @@ def test_every_variant_trains_and_is_evaluated(smoke: tuple[Path, dict]) -> None
         for result in row["engine"]:
             assert 1.0 <= result["tau"] <= BLOCK
             assert len(result["per_position"]) == BLOCK - 1
-            assert result["tau"] == pytest.approx(1.0 + sum(result["per_position"]))
             assert result["num_prompts"] == 2 and result["new_tokens"] > 0
             # every variant decodes losslessly at temperature 0 (plain decoding runs in smoke)
             assert result["lossless"] is (True if result["temperature"] == 0 else None)

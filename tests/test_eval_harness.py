@@ -76,10 +76,7 @@ def test_evaluate_measures_tau_speed_and_losslessness(results: list[BenchResult]
     for r in results:
         assert r.num_prompts == 3 and r.prompt_ids == ["p3-0", "p3-1", "p3-2"]
         assert r.num_draft_tokens == BLOCK - 1 and len(r.per_position) == BLOCK - 1
-        assert 1.0 <= r.tau <= BLOCK
-        assert r.tau == pytest.approx(1.0 + sum(r.per_position))
-        # Acceptance of token k needs every token before it accepted.
-        assert all(a >= b for a, b in zip(r.per_position, r.per_position[1:]))
+        assert 1.0 <= r.tau <= BLOCK  # exact statistics: tests/test_engine_lossless.py
         assert r.tokens_per_s_spec > 0 and r.tokens_per_s_ar > 0
         assert r.speedup == pytest.approx(r.tokens_per_s_spec / r.tokens_per_s_ar)
         assert 0 < r.new_tokens <= 3 * 24
