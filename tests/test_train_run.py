@@ -25,6 +25,8 @@ from tests._train_helpers import (
     train_losses,
 )
 
+pytestmark = pytest.mark.slow  # DeepSpeed training runs as module fixtures: > 20 s each
+
 STEPS, HALF = 24, 12
 BLOCK = 8  # the tiny recipe's block size
 TWO_PROCESSES = ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1",
