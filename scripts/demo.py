@@ -209,9 +209,9 @@ def stage_target(demo: Demo) -> dict[str, Any]:
 
 def stage_prompts(demo: Demo) -> dict[str, Any]:
     """Training prompts: train parts of HumanEval + ShareGPT (or the --prompts files)."""
+    from data_prep.benchmarks import builtin_source, prompt_chars, prompt_messages
     from data_prep.config import SourceConfig, SourcePart
     from data_prep.sources import load_source, stable_subset
-    from dspine_train.eval_harness import builtin_source, prompt_chars, prompt_messages
 
     args = demo.args
     chosen: list[dict[str, Any]] = []
@@ -348,10 +348,10 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
     """The harness on held-out prompts for each g; writes results.{json,md}, acceptance.png."""
     import torch
 
+    from data_prep.benchmarks import load_benchmark
     from dspine_train.eval_harness import (
         build_engine,
         evaluate,
-        load_benchmark,
         plot_results,
         results_markdown,
         save_results,
@@ -382,9 +382,9 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
         for greedy in (True, False):
             chosen = [t for t in temps if (t == 0) == greedy]
             if chosen:
-                rows += evaluate(demo.target, draft, benches, chosen,
+                rows += evaluate(demo.target, draft, loaded, chosen,
                                  max_new_tokens=args.eval_max_new_tokens,
-                                 limit=args.eval_prompts, num_draft_tokens=g, engine=engine,
+                                 num_draft_tokens=g, engine=engine,
                                  measure_ar=greedy, ar_cache=ar_cache)
         results[f"DSpine g={g}"] = rows
     out = demo.path("eval")

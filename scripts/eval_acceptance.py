@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from data_prep.benchmarks import load_benchmark
 from dspine_train.engine.errors import (
     CheckpointError,
     GenerationInputError,
@@ -84,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     results: dict[str, list[BenchResult]] = {}
     try:
+        loaded = [load_benchmark(bench, limit=args.limit, seed=args.seed) for bench in benches]
         for name, draft in args.draft:
             results[name] = evaluate(
-                args.target, draft, benches, args.temperatures,
-                max_new_tokens=args.max_new_tokens, limit=args.limit,
+                args.target, draft, loaded, args.temperatures,
+                max_new_tokens=args.max_new_tokens,
                 num_draft_tokens=args.num_draft_tokens, measure_ar=not args.no_ar,
                 seed=args.seed, batch_size=args.batch_size, device=args.device)
     except (BenchmarkError, CheckpointError, IncompatibleDraftError, GenerationInputError) as err:

@@ -114,10 +114,48 @@ def test_every_acceptance_pattern_commits_the_right_tokens(world, corrupt):
     assert result.token_ids == world["reference"][:4]
     if corrupt == 0.0:
         assert result.stats.tau == 8.0  # every block fully accepted plus the bonus
-    else:
-        assert 1.0 < result.stats.tau < 8.0
-    acceptance = result.stats.per_position_acceptance
-    assert result.stats.tau == pytest.approx(1 + sum(acceptance))
+        assert result.stats.per_position_acceptance == [1.0] * 7
+
+
+class ScriptedDraft(OracleDraft):
+    """The true continuation with round i's first wrong token at slot `leading[i]` (7: none),
+    so every round's acceptance is known in advance; `planned` records what each round got."""
+
+    def __init__(self, config, continuations, leading):
+        super().__init__(config, continuations, 0.0)
+        self.leading, self.planned = leading, []
+
+    def propose(self, cache, anchor_ids, temperature=0.0, generator=None):
+        proposal = super().propose(cache, anchor_ids, temperature, generator)
+        first_wrong = self.leading[len(self.planned) % len(self.leading)]
+        self.planned.append(first_wrong)
+        tokens = proposal.tokens.clone()
+        if first_wrong < tokens.shape[1]:
+            tokens[:, first_wrong] = (tokens[:, first_wrong] + 1) % self.config.vocab_size
+        return type(proposal)(tokens=tokens, q=None)
+
+
+def test_acceptance_statistics_equal_a_scripted_outcome(world):
+    """Hand-built rounds with known acceptance (0..7 tokens): tau and the per-position rates
+    are the ones the script implies, not merely consistent with each other."""
+    prompt = world["prompts"][0]
+    full = prompt + hf_greedy(world["hf"], prompt, NEW + 8)  # the truth past the last block too
+    leading = [7, 0, 3, 7, 1, 5, 2, 6]
+    config = StandInConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256, hidden_size=64)
+    draft = ScriptedDraft(config, [full], leading)
+    engine = Engine(load_target(world["root"] / "target"), draft, None, max_batch_size=1,
+                    max_seq_len=96)
+    result = engine.generate([prompt], max_new_tokens=NEW)
+    assert result.token_ids == world["reference"][:1]
+    # The first token comes from the prefill; each round then commits its accepted prefix plus
+    # the bonus: 1 + (8 + 1 + 4 + 8 + 2) = 24 = NEW after five rounds.
+    assert draft.planned == leading[:5]
+    stats = result.stats
+    assert stats.verifications == 5 and stats.committed == 23
+    assert stats.tau == pytest.approx(23 / 5)
+    # slot k is accepted in the rounds that accepted >= k of 7, 0, 3, 7, 1
+    assert stats.per_position_acceptance == pytest.approx([4 / 5, 3 / 5, 3 / 5, 2 / 5, 2 / 5,
+                                                           2 / 5, 2 / 5])
 
 
 def test_eos_inside_a_block_stops_exactly_there(world):

@@ -72,6 +72,43 @@ def test_untrained_dspine_is_exactly_its_dflash_backbone(target, batch):
     assert torch.equal(dspine.logits(a.hidden), dflash.logits(b.hidden))
 
 
+def test_writes_and_predecessor_gate_start_at_zero(target, batch):
+    """SPEC 2.2: W_l and G_pred start at zero, the other injection weights do not.
+
+    Zero writes alone already make the forward equal DFlash's (above), whatever G_pred holds;
+    a non-zero G_pred shows in the gate and in the refined scores (SPEC 2.4) as soon as the
+    writes move, so the init is checked directly and through what it implies: at init the gate
+    does not depend on the predecessor, and every predecessor row of the transition table is
+    the same (the refinement starts as the plain per-slot scores).
+    """
+    ids, anchors = batch
+    draft = tiny_draft(target, seed=3)
+    inj = draft.injection
+    for layer, write in enumerate(inj.writes):
+        assert torch.count_nonzero(write.weight) == 0, f"injection.writes.{layer}"
+    assert torch.count_nonzero(inj.gate_pred.weight) == 0, "injection.gate_pred"
+    # the shared message and the receiver gate are initialised normally (init really ran)
+    assert inj.message.weight.std() > 0 and inj.gate_recv.weight.std() > 0
+
+    g = torch.Generator().manual_seed(0)
+    f_recv, f_pred = (torch.randn(5, draft.config.transfer_dim, generator=g) for _ in range(2))
+    with torch.no_grad():
+        gate = torch.sigmoid(inj.gate_recv(f_recv) + inj.gate_pred(f_pred))
+        other = torch.sigmoid(inj.gate_recv(f_recv) + inj.gate_pred(-3 * f_pred))
+    assert torch.equal(gate, other)  # the gate ignores the predecessor until trained
+
+    feats, _ = context_features(target, draft, ids)
+    with torch.no_grad():
+        out = draft(ids, feats, anchors)
+        pre, recv = out.pre_injection[0, 0, 1:], out.recv_features[0, 0]  # (Bk-1, H), (Bk-1, r)
+        preds = torch.tensor([1, 2, 3, 4])[None].expand(pre.shape[0], -1)  # 4 predecessors
+        cands = torch.tensor([5, 6, 7])[None].expand(pre.shape[0], -1)
+        scores = draft.refined_scores(pre, recv, preds, cands)  # (Bk-1, 4, 3)
+        plain = draft.logits(pre)[:, [5, 6, 7]]  # the per-slot scores of the same candidates
+    assert torch.equal(scores, scores[:, :1].expand_as(scores))
+    torch.testing.assert_close(scores[:, 0], plain)
+
+
 def test_injection_off_ignores_injection_weights(target, batch):
     ids, anchors = batch
     dflash = tiny_draft(target, injection=False)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dspine_train.objective import (
     alignment_scale,
@@ -105,23 +106,117 @@ def test_chunked_loss_and_gradients_equal_unchunked(target):
                           "top1_acc", "candidate_coverage", "loss"}
 
 
+def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, out, step):
+    """SPEC 2.3 written out slot by slot, from the forward's raw states, not from the objective.
+
+    For block j of sequence b anchored at a, slot k predicts ids[b, a+k]; it is supervised while
+    loss_mask[b, a+1..a+k] are all 1 (weight exp(-(k-1)/gamma)); p_target is the target's own
+    distribution at position a+k-1; the refinement rewrites the last layer's pre-injection state
+    with the *true* predecessor ids[b, a+k-1]; the alignment reads every layer's output after
+    its injection through that layer's readout and compares it with the label's code.
+    """
+    cfg, inj = draft.config, draft.injection
+    head = target.lm_head.weight
+    with torch.no_grad():
+        final = target(ids, output_hidden_states=True).hidden_states[-1]  # (B, S, H), normed
+    sums: dict[str, float] = {}
+
+    def add(name, value, weight):
+        sums[name] = sums.get(name, 0.0) + float(value) * weight
+        sums[name + "/w"] = sums.get(name + "/w", 0.0) + weight
+
+    seq_len = ids.shape[1]
+    for b in range(ids.shape[0]):
+        for j in range(anchors.shape[1]):
+            if not anchor_mask[b, j]:
+                continue
+            a = int(anchors[b, j])
+            for k in range(1, cfg.block_size):
+                pos = a + k
+                if pos >= seq_len or not bool(loss_mask[b, a + 1 : pos + 1].all()):
+                    break
+                w = math.exp(-(k - 1) / cfg.loss_gamma)
+                label = int(ids[b, pos])
+                logits = draft.logits(out.hidden[b, j, k]).float()  # (V,)
+                p_target = torch.softmax(final[b, pos - 1] @ head.T, dim=-1)
+                add("backbone_ce", -torch.log_softmax(logits, -1)[label], w)
+                add("backbone_l1", (torch.softmax(logits, -1) - p_target).abs().sum(), w)
+                add("top1_acc", int(logits.argmax()) == label, 1.0)
+                cand = torch.topk(logits, cfg.candidate_k).indices.tolist()
+                add("candidate_coverage", label in cand, 1.0)
+                # last-write refinement with the true predecessor, by hand (SPEC 2.2 / 2.4)
+                h = out.pre_injection[b, j, k]
+                f_recv = inj.scale * F.normalize(inj.readouts[-1](h), dim=-1)
+                f_pred = inj.scale * draft.token_codes[int(ids[b, pos - 1])]
+                gate = torch.sigmoid(inj.gate_recv(f_recv) + inj.gate_pred(f_pred))
+                rms = h.pow(2).mean().add(cfg.rms_norm_eps).sqrt()
+                refined = h + rms * inj.writes[-1](gate * inj.message(f_pred))
+                scores = draft.norm(refined) @ head[cand].T  # (K,)
+                if label in cand:
+                    add("refine_ce", -torch.log_softmax(scores, -1)[cand.index(label)], w)
+                p_cand = p_target[cand]
+                if p_cand.sum() > cfg.distill_mass_threshold:
+                    diff = torch.softmax(scores, -1) - p_cand / p_cand.sum()
+                    add("refine_l1", diff.abs().sum(), w)
+                cosines = [
+                    F.cosine_similarity(inj.readouts[layer](layer_out[b, j, k]),
+                                        draft.token_codes[label], dim=0)
+                    for layer, layer_out in enumerate(out.layer_hidden)
+                ]
+                add("alignment", 1 - torch.stack(cosines).mean(), w)
+    ref = {name: sums[name] / sums[name + "/w"] for name in sums if not name.endswith("/w")}
+    c = cfg.ce_weight
+    beta = alignment_scale(step, cfg.alignment_weight, cfg.alignment_warmup_steps)
+    ref["loss"] = (c * ref["backbone_ce"] + (1 - c) * ref["backbone_l1"]
+                   + cfg.refine_weight * (c * ref["refine_ce"] + (1 - c) * ref["refine_l1"])
+                   + beta * ref["backbone_ce"] * ref["alignment"])
+    return ref
+
+
+def _forward_for_reference(draft, target, ids, loss_mask, seed=0):
+    feats, final = context_features(target, draft, ids)
+    anchors, mask = sample_anchors(loss_mask, 6, draft.config.block_size,
+                                   torch.Generator().manual_seed(seed))
+    out = draft(ids, feats, anchors, mask, return_layer_hidden=True)
+    return final, anchors, mask, out
+
+
+def test_objective_equals_a_slot_by_slot_computation_of_the_spec(target):
+    """Labels, p_target positions, supervision cuts, refinement and alignment features, each
+    checked against `_reference_objective` (not against the metrics the objective returns)."""
+    ids, loss_mask = _batch()
+    loss_mask[0, 14] = loss_mask[1, 10] = 0  # one-token gaps: blocks that run over them are cut
+    draft = tiny_draft(target)
+    randomise_injection(draft)
+    final, anchors, mask, out = _forward_for_reference(draft, target, ids, loss_mask)
+    loss, metrics = dspine_loss(draft, out, final, loss_mask, anchors, mask, step=200)
+    with torch.no_grad():
+        ref = _reference_objective(draft, target, ids, loss_mask, anchors, mask, out, step=200)
+    assert set(ref) == {"backbone_ce", "backbone_l1", "top1_acc", "candidate_coverage",
+                        "refine_ce", "refine_l1", "alignment", "loss"}
+    assert 0 < ref["candidate_coverage"] < 1  # both branches of the refinement CE are exercised
+    for name, value in ref.items():
+        torch.testing.assert_close(metrics[name].double(), torch.tensor(value, dtype=torch.double),
+                                   rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(loss.detach().double(), torch.tensor(ref["loss"],
+                               dtype=torch.double), rtol=1e-4, atol=1e-5)
+
+
 def test_switches_change_the_objective(target):
     ids, loss_mask = _batch()
     draft = tiny_draft(target)
     randomise_injection(draft)
-    full, m = _loss(draft, target, ids, loss_mask)
-    c = draft.config.ce_weight
-    backbone = c * m["backbone_ce"] + (1 - c) * m["backbone_l1"]
-    refine = c * m["refine_ce"] + (1 - c) * m["refine_l1"]
-    align = 0.5 * m["backbone_ce"] * m["alignment"]
-    torch.testing.assert_close(full.detach(), backbone + refine + align)
-
     draft.config.distill = False
     draft.config.refine_weight = 0.0
     draft.config.alignment_weight = 0.0
     try:
-        ce_only, m2 = _loss(draft, target, ids, loss_mask)
-        torch.testing.assert_close(ce_only.detach(), m2["backbone_ce"])
+        final, anchors, mask, out = _forward_for_reference(draft, target, ids, loss_mask)
+        ce_only, m2 = dspine_loss(draft, out, final, loss_mask, anchors, mask, step=200)
+        with torch.no_grad():
+            ref = _reference_objective(draft, target, ids, loss_mask, anchors, mask, out, 200)
+        torch.testing.assert_close(ce_only.detach().double(),
+                                   torch.tensor(ref["backbone_ce"], dtype=torch.double),
+                                   rtol=1e-4, atol=1e-5)
         assert "refine_ce" not in m2 and "alignment" not in m2
         draft.config.token_ce_intermediate = True
         with_inter, m3 = _loss(draft, target, ids, loss_mask)

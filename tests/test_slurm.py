@@ -58,69 +58,67 @@ def job_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture
-def no_scontrol(monkeypatch):
-    """Hide any real scontrol so the built-in hostlist parser is used."""
-    which = shutil.which
-    monkeypatch.setattr(
-        launch.shutil, "which", lambda name: None if name == "scontrol" else which(name)
+# Expansions the fake `scontrol show hostnames` knows (a real one asks Slurm's own parser).
+FAKE_HOSTNAMES = {
+    "gpu[07-08]": ["gpu07", "gpu08"],
+    "gpu07": ["gpu07"],
+    "gpu[01-03,07],cpu5": ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"],
+}
+
+
+def write_fake_scontrol(bin_dir: Path) -> Path:
+    """An executable `scontrol` that answers `show hostnames EXPR` from FAKE_HOSTNAMES, logs
+    its arguments to scontrol.log beside it, and fails like Slurm on anything else."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    fake = bin_dir / "scontrol"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        f"table = {FAKE_HOSTNAMES!r}\n"
+        f"open({str(bin_dir / 'scontrol.log')!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "if sys.argv[1:3] != ['show', 'hostnames'] or sys.argv[3] not in table:\n"
+        "    sys.exit('scontrol: error: Invalid hostlist: ' + ' '.join(sys.argv[3:]))\n"
+        "print('\\n'.join(table[sys.argv[3]]))\n"
     )
-
-
-# --------------------------------------------------------------------------- hostlist parser
-@pytest.mark.parametrize(
-    "expression, hosts",
-    [
-        ("node1", ["node1"]),
-        ("gpu[01-03,07],cpu5", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]),
-        ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),  # zero padding kept across the carry
-        ("n[8-10]", ["n8", "n9", "n10"]),
-        ("a,b[1-2],c", ["a", "b1", "b2", "c"]),
-        ("r[1-2]n[8-9]", ["r1n8", "r1n9", "r2n8", "r2n9"]),
-        ("dgx-a100-[001-002].cluster", ["dgx-a100-001.cluster", "dgx-a100-002.cluster"]),
-        ("x[5]", ["x5"]),
-    ],
-)
-def test_parse_hostlist(expression, hosts):
-    assert launch.parse_hostlist(expression) == hosts
-
-
-@pytest.mark.parametrize(
-    "expression, message",
-    [
-        ("", "empty hostlist"),
-        ("gpu[01-03", "unmatched '\\['"),
-        ("gpu01-03]", "unmatched '\\]'"),
-        ("gpu[a-b]", "bad range 'a-b'"),
-        ("gpu[05-03]", "descending range"),
-        ("gpu[]", "bad range"),
-        ("a,,b", "empty host name"),
-        ("a[[1]]", "nested"),
-    ],
-)
-def test_parse_hostlist_rejects_malformed(expression, message):
-    with pytest.raises(launch.HostlistError, match=message):
-        launch.parse_hostlist(expression)
-
-
-def test_scontrol_is_preferred_when_present(tmp_path):
-    fake = tmp_path / "scontrol"
-    fake.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "alpha\\nbeta\\n"\n')
     fake.chmod(0o755)
-    assert launch.expand_nodelist("gpu[01-02]", scontrol=str(fake)) == ["alpha", "beta"]
+    return fake
 
 
-def test_failing_scontrol_falls_back_to_the_parser(tmp_path, capsys):
-    fake = tmp_path / "scontrol"
-    fake.write_text("#!/bin/sh\necho 'slurm_load_ctl_conf error' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    assert launch.expand_nodelist("gpu[01-02]", scontrol=str(fake)) == ["gpu01", "gpu02"]
-    assert "slurm_load_ctl_conf error" in capsys.readouterr().err
+@pytest.fixture
+def fake_scontrol(tmp_path, monkeypatch):
+    """The fake `scontrol` first on PATH; returns its directory (holding scontrol.log)."""
+    bin_dir = tmp_path / "fake_slurm_bin"
+    write_fake_scontrol(bin_dir)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return bin_dir
+
+
+# --------------------------------------------------------------------------- node lists
+def test_nodelist_is_expanded_by_scontrol_show_hostnames(fake_scontrol):
+    hosts = launch.expand_nodelist("gpu[01-03,07],cpu5")
+    assert hosts == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]
+    assert (fake_scontrol / "scontrol.log").read_text() == "show hostnames gpu[01-03,07],cpu5\n"
+    assert not hasattr(launch, "parse_hostlist")  # no second parser to drift from Slurm's
+
+
+def test_missing_scontrol_names_the_nodelist_and_scontrol(tmp_path, monkeypatch):
+    empty = tmp_path / "empty_bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with pytest.raises(launch.LaunchError, match=r"\$SLURM_JOB_NODELIST='gpu\[07-08\]'.*"
+                       r"scontrol show hostnames.*no scontrol is on PATH"):
+        launch.expand_nodelist("gpu[07-08]")
+
+
+def test_failing_scontrol_is_an_error_naming_its_message(fake_scontrol):
+    with pytest.raises(launch.LaunchError, match=r"\$SLURM_JOB_NODELIST='gpu\[07-': .*"
+                       r"show hostnames` failed \(scontrol: error: Invalid hostlist: gpu\[07-\)"):
+        launch.expand_nodelist("gpu[07-")
 
 
 # --------------------------------------------------------------------------- the command
 @pytest.mark.parametrize("rank", [0, 1])
-def test_dry_run_prints_exact_command_per_node(job_dir, no_scontrol, capsys, rank):
+def test_dry_run_prints_exact_command_per_node(job_dir, fake_scontrol, capsys, rank):
     env = {**TWO_NODES, "SLURM_NODEID": str(rank)}
     argv = ["--recipe", "qwen3_8b", "--dry-run", "--", "optim.lr=3e-4", "data.name=my data"]
     assert launch.main(argv, env=env) == 0
@@ -131,7 +129,7 @@ def test_dry_run_prints_exact_command_per_node(job_dir, no_scontrol, capsys, ran
 
 def test_gpu_count_sources_and_precedence():
     env = {**TWO_NODES, "SLURM_NODEID": "0"}
-    fake_expand = launch.parse_hostlist
+    fake_expand = FAKE_HOSTNAMES.__getitem__
     assert launch.read_slurm_layout(env, expand=fake_expand).num_processes == 8
     assert launch.read_slurm_layout(env, gpus_per_node=2, expand=fake_expand).num_processes == 4
     per_node = {k: v for k, v in env.items() if k != "SLURM_GPUS_ON_NODE"}
@@ -149,10 +147,10 @@ def test_gpu_count_sources_and_precedence():
         ({"SLURM_NNODES": "two"}, r"\$SLURM_NNODES must be an integer, got 'two'"),
         ({"SLURM_NODEID": "2"}, r"\$SLURM_NODEID=2 is outside 0..1"),
         ({"SLURM_JOB_NODELIST": "gpu07"}, r"names 1 hosts, fewer than \$SLURM_NNODES=2"),
-        ({"SLURM_JOB_NODELIST": "gpu[07-"}, r"\$SLURM_JOB_NODELIST: unmatched"),
+        ({"SLURM_JOB_NODELIST": "gpu[07-"}, r"\$SLURM_JOB_NODELIST='gpu\[07-': .*Invalid hostlist"),
     ],
 )
-def test_missing_or_bad_variables_fail_clearly(job_dir, no_scontrol, capsys, change, message):
+def test_missing_or_bad_variables_fail_clearly(job_dir, fake_scontrol, capsys, change, message):
     env = {**TWO_NODES, "SLURM_NODEID": "1"}
     for name, value in change.items():
         if value is None:
@@ -198,9 +196,7 @@ def test_sbatch_runs_launcher_once_per_node_under_srun(job_dir):
         'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" || exit $?; done\n'
     )
     (bin_dir / "srun").chmod(0o755)
-    # A failing scontrol (no controller here) so the built-in parser is what gets exercised.
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 1\n")
-    (bin_dir / "scontrol").chmod(0o755)
+    write_fake_scontrol(bin_dir)  # the node list comes from `scontrol show hostnames`
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
         **TWO_NODES,

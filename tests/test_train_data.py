@@ -171,6 +171,20 @@ def test_acceptance_counts_leading_slots_the_target_would_emit() -> None:
     assert cut.sum().item() == 1  # supervision ends at slot 2: nothing after it counts
 
 
+def test_logged_acceptance_of_hand_built_blocks_across_processes() -> None:
+    """Known outcomes -> known metrics: accepted prefixes 3 and 0 on one process, 1 and a
+    padding block on another, summed as the all-reduce does: 3 blocks, 4 accepted slots."""
+    def prefixes(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor([[1.0] * n + [0.0] * (4 - n) for n in lengths])
+
+    rank0 = block_counts(prefixes([3, 0]), torch.tensor([True, True]))
+    rank1 = block_counts(prefixes([1, 4]), torch.tensor([True, False]))  # padding: not counted
+    metrics = stats_from_counts(rank0 + rank1).as_metrics()
+    assert metrics == pytest.approx({
+        "eval/tau": 1 + 4 / 3, "eval/blocks": 3.0, "eval/accept_pos1": 2 / 3,
+        "eval/accept_pos2": 1 / 3, "eval/accept_pos3": 1 / 3, "eval/accept_pos4": 0.0})
+
+
 # ---------------------------------------------------------------------------- checkpoints
 def test_prune_keeps_the_newest_and_the_best(tmp_path: Path) -> None:
     for step in (10, 20, 30, 40, 50):

@@ -25,6 +25,8 @@ from tests._train_helpers import (
     train_losses,
 )
 
+pytestmark = pytest.mark.slow  # DeepSpeed training runs as module fixtures: > 20 s each
+
 STEPS, HALF = 24, 12
 BLOCK = 8  # the tiny recipe's block size
 TWO_PROCESSES = ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1",
@@ -109,13 +111,13 @@ def test_tiny_recipe_trains_with_deepspeed_zero2_and_the_loss_falls(tiny_run: Pa
 def test_evaluation_reports_acceptance_and_keeps_the_best(tiny_run: Path) -> None:
     evals = [r for r in read_metrics(tiny_run) if "eval/tau" in r]
     assert [r["step"] for r in evals] == [HALF, STEPS]
-    for r in evals:
+    for r in evals:  # the numbers themselves: tests/test_train_data.py, hand-built blocks
         assert 1.0 <= r["eval/tau"] <= BLOCK
-        rates = [r[f"eval/accept_pos{k}"] for k in range(1, BLOCK)]
-        assert all(a >= b for a, b in zip(rates, rates[1:]))  # a prefix can only shrink
-        assert r["eval/tau"] == pytest.approx(1 + sum(rates))
     best = json.loads((tiny_run / "best" / "training_info.json").read_text())
-    assert best["tau"] == max(r["eval/tau"] for r in evals)
+    best_row = max(evals, key=lambda r: r["eval/tau"])
+    assert best["tau"] == best_row["eval/tau"] and best["step"] == best_row["step"]
+    assert best["acceptance_by_position"] == [best_row[f"eval/accept_pos{k}"]
+                                              for k in range(1, BLOCK)]
     png = (tiny_run / "training_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

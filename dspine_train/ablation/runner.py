@@ -330,17 +330,21 @@ def harness_evaluator(target: str, settings: AblationSettings) -> Callable[[Path
     A failure (bad benchmark, incompatible draft, a prompt the caches cannot hold) becomes an
     `AblationError` naming the export.
     """
+    from data_prep.benchmarks import load_benchmark
+
     from .. import eval_harness
     from ..engine import CheckpointError, GenerationInputError, IncompatibleDraftError
 
     def run(export_dir: Path) -> list[dict]:
         try:
+            benches = [load_benchmark(name, limit=settings.limit, seed=settings.eval_seed,
+                                      max_prompt_chars=settings.max_prompt_chars)
+                       for name in settings.benches]
             results = eval_harness.evaluate(
-                target, str(export_dir), settings.benches, settings.temperatures,
-                max_new_tokens=settings.max_new_tokens, limit=settings.limit,
+                target, str(export_dir), benches, settings.temperatures,
+                max_new_tokens=settings.max_new_tokens,
                 num_draft_tokens=settings.num_draft_tokens, measure_ar=settings.measure_ar,
                 seed=settings.eval_seed, batch_size=settings.eval_batch_size,
-                max_prompt_chars=settings.max_prompt_chars,
             )
         except (eval_harness.BenchmarkError, CheckpointError, IncompatibleDraftError,
                 GenerationInputError, ValueError) as err:

@@ -2,31 +2,31 @@
 
 A decode-time variant (e.g. `transition_cache: false` on trained weights) has no training run
 of its own, so no trainer evaluation. This re-runs the trainer's end-of-run evaluation - the
-same held-out batches, the same anchor draws, the same decode (`DraftStep`) - on any exported
-draft, reading the target features from the offline cache. For a trained variant it reproduces
-the trainer's own number, which the ablation records as a check.
+same held-out batches, the same anchor draws, the same decode (`DraftStep`), through the one
+evaluation loop `training.evaluation.simulated_acceptance_counts` - on any exported draft,
+reading the target features from the offline cache. For a trained variant it reproduces the
+trainer's own number, which the ablation records as a check.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from ..modeling import DSpineDraftModel
-from ..objective import sample_anchors
 from ..training.config import TrainConfig, validate_config
-from ..training.data import TokenBatches, epoch_batches, load_token_dataset, split_names
+from ..training.data import TokenBatches, load_token_dataset, split_names
 from ..training.draft_step import DraftStep
-from ..training.evaluation import AcceptanceStats, stats_from_counts
+from ..training.evaluation import (
+    AcceptanceStats,
+    evaluation_plan,
+    simulated_acceptance_counts,
+    stats_from_counts,
+)
 from ..training.offline_features import OfflineFeatures, cache_identity
 from ..training.target import read_embedding_and_head
-
-# The trainer's private seeding of its evaluation anchors, imported rather than copied so that
-# a change there cannot silently make this evaluation draw other anchors.
-from ..training.trainer import _EVAL_SEED_OFFSET, _generator
 
 
 def load_run_config(path: Path) -> TrainConfig:
@@ -67,19 +67,13 @@ def simulated_acceptance(draft_dir: Path, config: TrainConfig) -> AcceptanceStat
         cache_identity(config.model.target_path, list(draft.config.target_layer_ids),
                        d.max_length, batches),
     )
-    # The trainer's plan: one length-grouped epoch, cut to `max_blocks` blocks.
-    per_batch = config.eval.batch_size * config.eval.num_anchors
-    plan = epoch_batches(batches.lengths, config.eval.batch_size, 0, config.seed, True, 8)
-    plan = plan[: max(1, math.ceil(config.eval.max_blocks / per_batch))]
-    total = None
-    for index, rows in enumerate(plan):
-        batch = batches.collate(rows)
-        feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1])
-        gen = _generator(config.seed + _EVAL_SEED_OFFSET, index)
-        anchors, anchor_mask = sample_anchors(batch.loss_mask, config.eval.num_anchors,
-                                              draft.config.block_size, gen)
-        # Features as the trainer feeds them (the cache's dtype, no cast).
-        counts = step(batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
-                      anchors, anchor_mask, evaluate=True)
-        total = counts if total is None else total + counts
+    plan = evaluation_plan(batches.lengths, config.eval.batch_size, config.eval.num_anchors,
+                           config.eval.max_blocks, config.seed)
+    total = simulated_acceptance_counts(
+        step, batches, plan,
+        # features as the trainer feeds them (the cache's dtype, no cast)
+        lambda batch: cache.features(batch.rows.tolist(), batch.input_ids.shape[1]),
+        seed=config.seed, num_anchors=config.eval.num_anchors,
+        block_size=draft.config.block_size,
+    )
     return stats_from_counts(total)

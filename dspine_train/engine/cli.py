@@ -31,7 +31,7 @@ from dspine_train.engine.errors import (
     IncompatibleDraftError,
 )
 from dspine_train.engine.prompts import read_prompts
-from dspine_train.engine.stats import GenerationStats
+from dspine_train.engine.stats import GenerationStats, sum_stats
 from dspine_train.writable import output_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,27 +102,6 @@ def run_batches(
         method = engine.generate if speculative else engine.generate_ar
         results.append(method(batch, **kwargs))
     return results, sum_stats([r.stats for r in results])
-
-
-def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
-    """Counters and times of several calls added up (rates are then recomputed from them)."""
-    total = GenerationStats(mode=parts[0].mode, accepted_at=[0] * len(parts[0].accepted_at))
-    for part in parts:
-        for name in (
-            "num_sequences",
-            "prompt_tokens",
-            "new_tokens",
-            "steps",
-            "verifications",
-            "committed",
-            "prefill_s",
-            "draft_s",
-            "verify_s",
-            "total_s",
-        ):
-            setattr(total, name, getattr(total, name) + getattr(part, name))
-        total.accepted_at = [a + b for a, b in zip(total.accepted_at, part.accepted_at)]
-    return total
 
 
 def _generation_argument_problem(args: argparse.Namespace) -> str | None:

@@ -75,6 +75,27 @@ class GenerationStats:
         return out
 
 
+def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
+    """Counters and times of several calls added up (rates are then recomputed from them)."""
+    total = GenerationStats(mode=parts[0].mode, accepted_at=[0] * len(parts[0].accepted_at))
+    for part in parts:
+        for name in (
+            "num_sequences",
+            "prompt_tokens",
+            "new_tokens",
+            "steps",
+            "verifications",
+            "committed",
+            "prefill_s",
+            "draft_s",
+            "verify_s",
+            "total_s",
+        ):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+        total.accepted_at = [a + b for a, b in zip(total.accepted_at, part.accepted_at)]
+    return total
+
+
 class StepTimer:
     """Accumulates time per named section without syncing inside a step.
 

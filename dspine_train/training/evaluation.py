@@ -6,13 +6,27 @@ token for position a+k is g_k = argmax p_target(. | x_{<a+k}). Slot k is accepte
 slot j <= k has d_j == g_j *and* the data token x_{a+j} == g_j: the prefix is then one the
 target itself would have produced greedily, so the verification is exactly what a greedy
 decode would see. tau = 1 + accepted (the bonus token), in [1, B].
+
+`simulated_acceptance_counts` is the one evaluation loop: the trainer runs it on its held-out
+split every `eval.every` steps (each process a share), and the ablation runs it again on any
+exported draft (`dspine_train.ablation.simulated`), so both measure the same blocks the same way.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
+
+from ..objective import sample_anchors
+from .data import Batch, TokenBatches, epoch_batches
+
+# Offset that keeps the eval anchor draws apart from the training ones.
+EVAL_SEED_OFFSET = 1 << 40
 
 
 def accepted_prefix(
@@ -75,3 +89,58 @@ def stats_from_counts(counts: torch.Tensor) -> AcceptanceStats:
     """Inverse of `block_counts` (after summing over processes and batches)."""
     values = counts.tolist()
     return AcceptanceStats(blocks=values[0], accepted=values[1], per_position=values[2:])
+
+
+# ------------------------------------------------------------------------- the evaluation loop
+def batch_generator(seed: int, index: int) -> torch.Generator:
+    """The RNG of one global batch: same draws on any world size and after any resume."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+def evaluation_plan(
+    lengths: np.ndarray, batch_size: int, num_anchors: int, max_blocks: int, seed: int
+) -> list[list[int]]:
+    """The held-out batches evaluated: one length-grouped epoch, cut to about `max_blocks`
+    blocks (`batch_size * num_anchors` per batch, at least one batch)."""
+    plan = epoch_batches(lengths, batch_size, 0, seed, True, 8)
+    return plan[: max(1, math.ceil(max_blocks / (batch_size * num_anchors)))]
+
+
+@torch.no_grad()
+def simulated_acceptance_counts(
+    step: Callable[..., torch.Tensor],
+    batches: TokenBatches,
+    plan: Sequence[list[int]],
+    features: Callable[[Batch], Any],
+    *,
+    seed: int,
+    num_anchors: int,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    eval_chunks: int = 0,
+) -> torch.Tensor:
+    """This process's `block_counts` sums over its share of `plan` (see the module docstring).
+
+    `step` is the `DraftStep` (or the engine wrapping it), called with `evaluate=True`;
+    `features(batch)` gives the target's `.context` and `.final_hidden` for a batch on `device`.
+    Process `rank` takes batches rank, rank + world_size, ...; a process past the plan's end
+    repeats a batch counted as 0, so every process makes the same calls (ZeRO-3). The anchors of
+    plan entry i are drawn from `batch_generator(seed + EVAL_SEED_OFFSET, i)`, the same on any
+    world size. Sum the result over processes, then `stats_from_counts`.
+    """
+    total = None
+    for i in range(math.ceil(len(plan) / world_size)):
+        index = i * world_size + rank
+        real = index < len(plan)
+        batch = batches.collate(plan[index % len(plan)]).to(device)
+        feats = features(batch)
+        gen = batch_generator(seed + EVAL_SEED_OFFSET, index % len(plan))
+        anchors, anchor_mask = sample_anchors(batch.loss_mask.cpu(), num_anchors, block_size, gen)
+        counts = step(
+            batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
+            anchors.to(device), anchor_mask.to(device), evaluate=True, eval_chunks=eval_chunks,
+        ) * float(real)
+        total = counts if total is None else total + counts
+    return total

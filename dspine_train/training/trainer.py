@@ -27,12 +27,18 @@ from transformers import get_cosine_schedule_with_warmup
 from ..objective import replacement_probability, sample_anchors
 from .checkpointing import CheckpointManager, TrainState
 from .config import TrainConfig
-from .data import Batch, BatchStream, TokenBatches, epoch_batches
+from .data import Batch, BatchStream, TokenBatches
 from .distributed import build_accelerator, without_zero3_init
 from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
 from .errors import TrainingError
-from .evaluation import AcceptanceStats, stats_from_counts
+from .evaluation import (
+    AcceptanceStats,
+    batch_generator,
+    evaluation_plan,
+    simulated_acceptance_counts,
+    stats_from_counts,
+)
 from .export import export_draft
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity
@@ -46,9 +52,6 @@ from .target import (
 )
 from .tracking import MetricsLog, read_metrics
 
-# Offsets that keep the eval anchor draws apart from the training ones.
-_EVAL_SEED_OFFSET = 1 << 40
-
 
 @dataclass
 class TrainResult:
@@ -61,11 +64,6 @@ class TrainResult:
     best_tau: float | None
     world_size: int
     is_main: bool
-
-
-def _generator(seed: int, index: int) -> torch.Generator:
-    """The RNG of one global batch: same draws on any world size and after any resume."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
 class Trainer:
@@ -132,9 +130,8 @@ class Trainer:
         if inputs.eval is not None:
             self.eval_batches = TokenBatches(inputs.eval, d.max_length, vocab, "data.eval_path")
             per_batch = cfg.eval.batch_size * cfg.eval.num_anchors
-            plan = epoch_batches(self.eval_batches.lengths, cfg.eval.batch_size, 0, cfg.seed,
-                                 True, 8)
-            self.eval_plan = plan[: max(1, math.ceil(cfg.eval.max_blocks / per_batch))]
+            self.eval_plan = evaluation_plan(self.eval_batches.lengths, cfg.eval.batch_size,
+                                             cfg.eval.num_anchors, cfg.eval.max_blocks, cfg.seed)
             chunk = max(1, cfg.logits_chunk_size // (self.draft_config.block_size - 1))
             self.eval_chunks = math.ceil(per_batch / chunk)
         self.train_cache = self.eval_cache = None
@@ -252,7 +249,7 @@ class Trainer:
                 seen.append(index)
                 batch = self.train_batches.collate(rows).to(acc.device)
                 feats = self._features(batch, self.train_cache)
-                gen = _generator(cfg.seed, index)
+                gen = batch_generator(cfg.seed, index)
                 anchors, anchor_mask = self._anchors(batch, gen, cfg.data.num_anchors)
                 replace = (torch.rand(anchors.shape, generator=gen) < p_replace).to(acc.device)
                 with acc.accumulate(self.engine):
@@ -346,20 +343,13 @@ class Trainer:
         """Simulated acceptance on the eval plan, every process a share (see `evaluation`)."""
         cfg, acc = self.config, self.accelerator
         self.engine.eval()
-        total = None
-        plan = self.eval_plan
-        for i in range(math.ceil(len(plan) / self.world)):
-            index = i * self.world + self.rank
-            real = index < len(plan)  # processes past the end repeat a batch, counted as 0
-            batch = self.eval_batches.collate(plan[index % len(plan)]).to(acc.device)
-            feats = self._features(batch, self.eval_cache)
-            gen = _generator(cfg.seed + _EVAL_SEED_OFFSET, index % len(plan))
-            anchors, anchor_mask = self._anchors(batch, gen, cfg.eval.num_anchors)
-            counts = self.engine(
-                batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask, anchors,
-                anchor_mask, evaluate=True, eval_chunks=self.eval_chunks,
-            ) * float(real)
-            total = counts if total is None else total + counts
+        total = simulated_acceptance_counts(
+            self.engine, self.eval_batches, self.eval_plan,
+            lambda batch: self._features(batch, self.eval_cache), seed=cfg.seed,
+            num_anchors=cfg.eval.num_anchors, block_size=self.draft_config.block_size,
+            device=acc.device, rank=self.rank, world_size=self.world,
+            eval_chunks=self.eval_chunks,
+        )
         total = acc.reduce(total, "sum")
         self.engine.train()
         return stats_from_counts(total.cpu())

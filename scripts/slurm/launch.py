@@ -9,8 +9,8 @@ from Slurm's environment and replaces itself with
         --main_process_ip FIRST_HOST --main_process_port PORT \
         --num_processes NODES*GPUS_PER_NODE train.py recipe=NAME [overrides...]
 
-where FIRST_HOST is the first host of $SLURM_JOB_NODELIST (expanded by `scontrol show
-hostnames` when available, else by this file's parser) and GPUS_PER_NODE comes from
+where FIRST_HOST is the first host of $SLURM_JOB_NODELIST (expanded by Slurm's `scontrol show
+hostnames`, which must be on PATH) and GPUS_PER_NODE comes from
 `--gpus-per-node`, $SLURM_GPUS_ON_NODE or $SLURM_GPUS_PER_NODE, in that order.
 
 Usage (inside an allocation; `--dry-run` prints the command and exits 0):
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -34,102 +33,39 @@ from pathlib import Path
 DEFAULT_DEEPSPEED_CONFIG = "recipes/deepspeed/zero2.json"
 DEFAULT_MAIN_PROCESS_PORT = 29500
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
-
 
 class LaunchError(RuntimeError):
     """A problem with the Slurm environment or the arguments; the message says which."""
 
 
-class HostlistError(ValueError):
-    """A Slurm hostlist expression that cannot be expanded."""
-
-
-# --------------------------------------------------------------------------- hostlists
-def _split_top_level(expression: str) -> list[str]:
-    """Split on commas that are outside brackets: 'a[1,2],b' -> ['a[1,2]', 'b']."""
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(expression):
-        if char == "[":
-            depth += 1
-            if depth > 1:
-                raise HostlistError(f"nested '[' in hostlist {expression!r}")
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise HostlistError(f"unmatched ']' in hostlist {expression!r}")
-        elif char == "," and depth == 0:
-            parts.append(expression[start:i])
-            start = i + 1
-    if depth:
-        raise HostlistError(f"unmatched '[' in hostlist {expression!r}")
-    parts.append(expression[start:])
-    return parts
-
-
-def _expand_ranges(spec: str, expression: str) -> list[str]:
-    """'01-03,07' -> ['01', '02', '03', '07']; the width of each lower bound is kept (zero padding)."""
-    values = []
-    for part in spec.split(","):
-        match = _RANGE.match(part)
-        if not match:
-            raise HostlistError(f"bad range {part!r} in hostlist {expression!r}")
-        low, high = match.group(1), match.group(2) or match.group(1)
-        if int(high) < int(low):
-            raise HostlistError(f"descending range {part!r} in hostlist {expression!r}")
-        values += [str(number).zfill(len(low)) for number in range(int(low), int(high) + 1)]
-    return values
-
-
-def _expand_host_pattern(pattern: str, expression: str) -> list[str]:
-    """Expand every bracket group of one host pattern; several groups give their product."""
-    open_at = pattern.find("[")
-    if open_at < 0:
-        return [pattern]
-    close_at = pattern.index("]", open_at)  # balance was checked by _split_top_level
-    prefix, spec, rest = pattern[:open_at], pattern[open_at + 1 : close_at], pattern[close_at + 1 :]
-    tails = _expand_host_pattern(rest, expression)
-    return [prefix + value + tail for value in _expand_ranges(spec, expression) for tail in tails]
-
-
-def parse_hostlist(expression: str) -> list[str]:
-    """Expand Slurm hostlist syntax without Slurm, in order, duplicates kept.
-
-    `gpu[01-03,07],cpu5` -> gpu01 gpu02 gpu03 gpu07 cpu5; `r[1-2]n[8-9]` -> r1n8 r1n9 r2n8 r2n9.
-    Zero padding follows the lower bound of each range (`[08-10]` -> 08 09 10).
-    Raises `HostlistError` naming the expression when it is malformed or empty.
-    """
-    expression = expression.strip()
-    if not expression:
-        raise HostlistError("empty hostlist")
-    hosts: list[str] = []
-    for pattern in _split_top_level(expression):
-        if not pattern:
-            raise HostlistError(f"empty host name in hostlist {expression!r}")
-        hosts += _expand_host_pattern(pattern, expression)
-    return hosts
-
-
+# --------------------------------------------------------------------------- node lists
 def expand_nodelist(expression: str, scontrol: str | None = None) -> list[str]:
-    """Hosts of a Slurm nodelist: `scontrol show hostnames` when available, else `parse_hostlist`.
+    """Hosts of a Slurm nodelist, in order, expanded by Slurm's own `scontrol show hostnames`.
 
-    `scontrol` is the path of the scontrol binary (default: looked up on PATH). When it fails
-    (no controller reachable, say), the parser is used and a note goes to stderr.
+    `scontrol` is the path of the scontrol binary (default: looked up on PATH). Raises
+    `LaunchError` naming $SLURM_JOB_NODELIST and scontrol when scontrol is absent, fails or
+    prints no host.
     """
     scontrol = scontrol or shutil.which("scontrol")
-    if scontrol:
+    if not scontrol:
+        raise LaunchError(
+            f"$SLURM_JOB_NODELIST={expression!r} is expanded by `scontrol show hostnames`, "
+            "and no scontrol is on PATH (run inside a Slurm allocation, or put Slurm's bin "
+            "directory on PATH)"
+        )
+    try:
         result = subprocess.run(
             [scontrol, "show", "hostnames", expression], capture_output=True, text=True
         )
-        hosts = result.stdout.split()
-        if result.returncode == 0 and hosts:
-            return hosts
-        print(
-            f"launch.py: `scontrol show hostnames` failed ({result.stderr.strip() or 'no output'}); "
-            "expanding the nodelist with the built-in parser",
-            file=sys.stderr,
+    except OSError as err:
+        raise LaunchError(f"$SLURM_JOB_NODELIST: cannot run {scontrol} ({err})") from None
+    hosts = result.stdout.split()
+    if result.returncode != 0 or not hosts:
+        reason = result.stderr.strip() or f"exit status {result.returncode}, no host printed"
+        raise LaunchError(
+            f"$SLURM_JOB_NODELIST={expression!r}: `{scontrol} show hostnames` failed ({reason})"
         )
-    return parse_hostlist(expression)
+    return hosts
 
 
 # --------------------------------------------------------------------------- Slurm environment
@@ -201,10 +137,7 @@ def read_slurm_layout(
         raise LaunchError(
             f"$SLURM_NODEID={node_rank} is outside 0..{num_nodes - 1} ($SLURM_NNODES)"
         )
-    try:
-        hosts = expand(nodelist)
-    except HostlistError as err:
-        raise LaunchError(f"$SLURM_JOB_NODELIST: {err}") from None
+    hosts = expand(nodelist)
     if len(hosts) < num_nodes:
         raise LaunchError(
             f"$SLURM_JOB_NODELIST={nodelist!r} names {len(hosts)} hosts, fewer than "
