@@ -125,7 +125,7 @@ class ScriptedDraft(OracleDraft):
         super().__init__(config, continuations, 0.0)
         self.leading, self.planned = leading, []
 
-    def propose(self, cache, anchor_ids, temperature=0.0, generator=None):
+    def propose(self, cache, anchor_ids, temperature=0.0, generator=None, kv_len=None):
         proposal = super().propose(cache, anchor_ids, temperature, generator)
         first_wrong = self.leading[len(self.planned) % len(self.leading)]
         self.planned.append(first_wrong)
