@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling.attention_masks import default_use_flex, training_attention_path
+from ..modeling.compiled_flex import check_flex_usable
 from ..objective import replacement_probability, sample_anchors
 from .checkpointing import CheckpointManager, TrainState
 from .config import TrainConfig
@@ -119,6 +120,8 @@ class Trainer:
         draft.to(device=acc.device, dtype=dtype)
         draft.bind_target(embed.to(dtype), head.to(dtype))
         self.step_module = DraftStep(draft, cfg.logits_chunk_size)
+        if default_use_flex(acc.device):  # stop before any step when the fused kernel cannot run
+            check_flex_usable(acc.device, needs_grad=True)
 
     def _setup_data(self) -> None:
         cfg, inputs = self.config, self.inputs
