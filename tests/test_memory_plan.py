@@ -9,14 +9,18 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+import dspine_train.modeling.modeling_dspine as md
+from dspine_train.modeling.attention_masks import training_mask_mod
 from dspine_train.training.memory_plan import (
     GIB,
     LOGIT_BUFFERS_PER_CHUNK,
     _dense_decoder_parameters,
+    attention_items,
     draft_parameter_counts,
     estimate_memory,
     target_parameter_count,
 )
+from tests._model_helpers import USED_VOCAB, context_features, tiny_draft, tiny_target
 
 # H=64, q=4*16=64, kv=2*16=32, I=128, V=512, L=4.
 TINY = dict(
@@ -155,6 +159,10 @@ def test_items_match_hand_computed_bytes():
         "draft context path": 2 * 32 * 320 * 2,
         # per slot per layer: 4H + 3q + 3kv + 4I = 1056, injection 4r + 4m + 2H = 224
         "draft block activations": (2 * 4 * 4) * 2 * (1056 + 224) * 2,
+        # flex: Q = 16, KV = 48 -> one 128 x 128 tile: 4 index + 4 count int32 tensors of b
+        "attention block mask (flex)": 2 * (4 + 2 + 2) * 4,
+        # N * b*h*Q fp32
+        "attention logsumexp (fp32)": 2 * 2 * 4 * 16 * 4,
         "loss chunk (logits + refinement rows)": 8
         * (LOGIT_BUFFERS_PER_CHUNK * 512 * 4 + 4 * 64 * 2),
     }
@@ -235,8 +243,103 @@ def test_table_lists_every_item_total_and_need():
         ({"param_dtype": "int8"}, "param_dtype"),
         ({"num_anchors": 0}, "num_anchors"),
         ({"headroom_fraction": 1.0}, "headroom_fraction"),
+        ({"attention_path": "math"}, "attention_path"),
     ],
 )
 def test_bad_arguments_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         plan(**overrides)
+
+
+# --------------------------------------------------------------------------- attention, measured
+def _attention_plan(target, draft, bsz: int, seq_len: int, num_anchors: int, path: str, p: int):
+    items = attention_items(
+        target.config, draft_num_layers=draft.config.num_layers,
+        block_size=draft.config.block_size, num_anchors=num_anchors, max_length=seq_len,
+        micro_batch_size=bsz, param_dtype_bytes=p, path=path, activation_checkpointing=False,
+    )
+    return {item.name: item.bytes for item in items}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_attention_items_match_what_the_cpu_forward_keeps(dtype, monkeypatch):
+    """Run the draft's dense training forward with gradients and record, per SDPA call, every
+    tensor autograd saves besides q, k, v and the output; with the boolean mask the forward
+    builds, that is what the plan's two dense attention items must add up to."""
+    target = tiny_target()
+    draft = tiny_draft(target, dtype=dtype)
+    bsz, seq_len, num_anchors = 2, 40, 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, USED_VOCAB, (bsz, seq_len), generator=g)
+    anchors = torch.randint(0, seq_len, (bsz, num_anchors), generator=g)
+    feats, _ = context_features(target, draft, ids)
+
+    extra: dict[int, torch.Tensor] = {}  # storage -> one tensor saved on it
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, **kwargs):
+        saved: list[torch.Tensor] = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = real_sdpa(q, k, v, **kwargs)
+        own = {t.untyped_storage().data_ptr() for t in (q, k, v, out)}
+        for t in saved:
+            if t.untyped_storage().data_ptr() not in own:
+                extra[t.untyped_storage().data_ptr()] = t
+        return out
+
+    masks: list[torch.Tensor] = []
+    real_mask = md.dense_training_mask
+
+    def recording_mask(*args):
+        masks.append(real_mask(*args))
+        return masks[-1]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(md, "dense_training_mask", recording_mask)
+    draft(ids, feats, anchors, use_flex=False)
+
+    q_len = num_anchors * draft.config.block_size
+    heads = draft.config.num_attention_heads
+    by_shape: dict[tuple, int] = {}
+    for t in extra.values():
+        by_shape[tuple(t.shape)] = by_shape.get(tuple(t.shape), 0) + t.untyped_storage().nbytes()
+    mask_shape, lse_shape = (bsz, 1, q_len, seq_len + q_len), (bsz, heads, q_len)
+    assert set(by_shape) == {mask_shape, lse_shape}, by_shape  # nothing the plan does not name
+    bool_mask = sum(m.untyped_storage().nbytes() for m in masks)
+    planned = _attention_plan(target, draft, bsz, seq_len, num_anchors, "dense",
+                              torch.finfo(dtype).bits // 8)
+    assert planned == {
+        "attention masks (dense)": bool_mask + by_shape[mask_shape],
+        "attention logsumexp (fp32)": by_shape[lse_shape],
+    }
+
+
+def test_flex_block_mask_item_matches_the_block_mask_torch_builds():
+    """The plan's flex mask item against the tensors of the BlockMask built from the forward's
+    own predicate (torch's eager builder makes the same structure as the compiled one)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    target = tiny_target()
+    draft = tiny_draft(target)
+    bsz, seq_len, num_anchors, block = 2, 300, 30, draft.config.block_size  # Q 180, KV 480
+    anchors = torch.randint(0, seq_len, (bsz, num_anchors), generator=torch.Generator().manual_seed(0))
+    q_len = num_anchors * block
+    mask = create_block_mask(training_mask_mod(anchors, seq_len, block, True), bsz, None, q_len,
+                             seq_len + q_len, device="cpu")
+    measured = sum(t.untyped_storage().nbytes() for t in mask.as_tuple()
+                   if isinstance(t, torch.Tensor))
+    planned = _attention_plan(target, draft, bsz, seq_len, num_anchors, "flex", 4)
+    assert planned["attention block mask (flex)"] == measured
+
+
+def test_plan_names_the_attention_path_it_counts():
+    flex, dense = plan(), plan(attention_path="dense")
+    assert "compiled flex attention" in flex.table()
+    assert "dense SDPA" in dense.table()
+    # the dense path keeps (b, 1, Q, KV) masks: b=2, Q=16, KV=48, 1 + N*p = 1 + 2*2 bytes
+    assert dense.item("attention masks (dense)").bytes == 2 * 16 * 48 * (1 + 2 * 2)

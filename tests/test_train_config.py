@@ -93,3 +93,16 @@ def test_plan_only_sizes_the_8b_recipe_without_weights(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ZeRO-2, world size 8" in proc.stdout
     assert "FITS on a 80 GiB GPU" in proc.stdout
+
+
+def test_plan_device_picks_the_attention_path_the_plan_counts() -> None:
+    from dspine_train.training.planning import memory_plan_for
+
+    gpu = memory_plan_for(_compose("recipe=qwen3_8b"))
+    cpu = memory_plan_for(_compose("recipe=qwen3_8b", "plan_device=cpu"))
+    assert gpu.attention_path == "flex" and cpu.attention_path == "dense"
+    assert "compiled flex attention" in gpu.table()
+    # 8192 queries x 11264 keys: the dense masks (1 + 5 layers * 2 bytes) are GiB, flex's tiles KiB
+    assert cpu.item("attention masks (dense)").bytes == 8192 * 11264 * (1 + 5 * 2)
+    assert gpu.item("attention block mask (flex)").bytes < 2**20
+    assert memory_plan_for(_compose("recipe=tiny")).attention_path == "dense"

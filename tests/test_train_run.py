@@ -42,7 +42,9 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def tiny_run(tiny_assets, tmp_path_factory) -> Path:
     """`python train.py recipe=tiny`: 24 ZeRO-2 steps, checkpoints at 12 and 24."""
     out = tmp_path_factory.mktemp("tiny_run")
-    check_ok(run_train(tiny_overrides(tiny_assets, out, f"checkpoint.every={HALF}")))
+    proc = run_train(tiny_overrides(tiny_assets, out, f"checkpoint.every={HALF}"))
+    check_ok(proc)
+    assert "draft attention on cpu: dense SDPA" in proc.stdout  # the log names the path
     return out
 
 

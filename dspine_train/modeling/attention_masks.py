@@ -6,18 +6,30 @@ context positions `j < anchors[b]` and the slots of its own block (`k' <= k` whe
 all when bidirectional). Blocks never see each other.
 
 On CPU a dense boolean mask feeds SDPA; on CUDA the same predicate builds a flex-attention
-`BlockMask`, so both paths compute the same attention.
+`BlockMask` (by a compiled builder, see `compiled_flex`) for compiled flex attention, so both
+paths compute the same attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-try:
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
-except ImportError:  # pragma: no cover
-    BlockMask = None  # type: ignore[assignment,misc]
-    create_block_mask = None  # type: ignore[assignment]
+from .compiled_flex import BlockMask, compiled_block_mask
+
+
+def default_use_flex(device: torch.device) -> bool:
+    """The training forward's attention path on `device`: compiled flex on CUDA, else dense SDPA."""
+    return device.type == "cuda"
+
+
+def training_attention_path(use_flex: bool) -> str:
+    """What the training forward's attention runs, in words (for logs and the memory plan)."""
+    if use_flex:
+        return ("compiled flex attention (torch.compile, block-sparse mask, no score matrix; "
+                "compiles on the first step)")
+    return "dense SDPA with a boolean (B, 1, Q, S+Q) mask"
 
 
 def dense_training_mask(
@@ -41,16 +53,17 @@ def dense_training_mask(
     return torch.cat((ctx_ok, blk_ok), dim=-1)[:, None]  # (B, 1, Q, S+Q)
 
 
-def flex_training_mask(
+def training_mask_mod(
     anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool
-) -> BlockMask:
-    """The same predicate as `dense_training_mask`, as a flex-attention BlockMask."""
-    if create_block_mask is None:  # pragma: no cover
-        raise RuntimeError("this torch build has no flex attention")
-    bsz, num_blocks = anchors.shape
-    q_len = num_blocks * block_size
+) -> Callable:
+    """The predicate of `dense_training_mask` as a flex-attention `mask_mod(b, h, q_idx, kv_idx)`.
 
-    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ARG001 - flex signature
+    `seq_len` and `block_size` are closed over as Python ints, which the dynamic compile of
+    `compiled_flex` keeps symbolic (a new sequence length does not recompile); `causal` is a
+    constant of the model.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202, ARG001 - flex signature
         q_block = q_idx // block_size
         q_slot = q_idx % block_size
         in_ctx = kv_idx < seq_len
@@ -61,9 +74,21 @@ def flex_training_mask(
             blk_ok = blk_ok & (kv_off % block_size <= q_slot)
         return ctx_ok | blk_ok
 
-    return create_block_mask(
-        mask_mod, B=bsz, H=None, Q_LEN=q_len, KV_LEN=seq_len + q_len, device=anchors.device
-    )
+    return mask_mod
+
+
+def flex_training_mask(
+    anchors: torch.Tensor, seq_len: int, block_size: int, causal: bool
+) -> BlockMask:
+    """The same predicate as `dense_training_mask`, as a flex-attention BlockMask.
+
+    Built by the compiled `create_block_mask` (see `compiled_flex`), which never materialises
+    the dense mask.
+    """
+    bsz, num_blocks = anchors.shape
+    q_len = num_blocks * block_size
+    mask_mod = training_mask_mod(anchors, seq_len, block_size, causal)
+    return compiled_block_mask(mask_mod, bsz, q_len, seq_len + q_len, anchors.device)
 
 
 def inference_block_mask(

@@ -15,13 +15,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dspine_train.engine.attention import masked_attention
 
+from .compiled_flex import BlockMask, compiled_flex_attention
 from .configuration_dspine import DSpineConfig
-
-try:  # flex attention is used on CUDA for the training mask; absent builds fall back to SDPA.
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # pragma: no cover - every supported torch has it
-    BlockMask = None  # type: ignore[assignment,misc]
-    flex_attention = None  # type: ignore[assignment]
 
 AttentionMask = torch.Tensor  # dense boolean mask (True = may attend), or a flex BlockMask
 
@@ -155,7 +150,7 @@ class DSpineAttention(nn.Module):
         """q (B, heads, Q, D), k/v (B, kv_heads, K, D), mask -> (B, Q, heads * D) through o_proj."""
         b, _, nq, _ = q.shape
         if BlockMask is not None and isinstance(mask, BlockMask):
-            out = flex_attention(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+            out = compiled_flex_attention(q, k, v, mask, self.scaling)  # never eager (see there)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True

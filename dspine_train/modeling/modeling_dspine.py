@@ -17,7 +17,13 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
-from .attention_masks import dense_training_mask, flex_training_mask, inference_block_mask
+from .attention_masks import (
+    default_use_flex,
+    dense_training_mask,
+    flex_training_mask,
+    inference_block_mask,
+)
+from .compiled_flex import check_flex_usable
 from .configuration_dspine import DSpineConfig
 from .context_cache import DraftContextCache
 from .injection import AdjacentInjection, predecessor_features
@@ -249,7 +255,10 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         input_ids (B, S); context_features (B, S, n*H); anchors (B, A) with padding anchors
         marked False in anchor_mask (B, A); replace_mask (B, A) selects the blocks whose first
         `replacement_layers` layers hear the true predecessor's code. `use_flex` defaults to
-        flex attention on CUDA and a dense SDPA mask elsewhere.
+        compiled flex attention on CUDA and a dense SDPA mask elsewhere; `use_flex=True` on CPU
+        runs compiled flex too (forward only: torch has no CPU flex backward). When compiled
+        flex attention cannot run, `FlexAttentionUnavailable` (a RuntimeError) says why; it never
+        falls back to a dense path.
         """
         cfg = self.config
         embed, _ = self._require_target()
@@ -275,7 +284,10 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         ctx_cos, ctx_sin = self.rotary_emb(ctx_pos, dtype)
         blk_cos, blk_sin = self.rotary_emb(positions.view(bsz, -1), dtype)
         if use_flex is None:
-            use_flex = input_ids.is_cuda
+            use_flex = default_use_flex(input_ids.device)
+        if use_flex:
+            needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+            check_flex_usable(input_ids.device, needs_grad)
         causal = cfg.block_attention == "causal"
         build_mask = flex_training_mask if use_flex else dense_training_mask
         mask = build_mask(anchors, seq_len, bk, causal)

@@ -30,6 +30,13 @@ class Precision(StrEnum):
     fp32 = "fp32"
 
 
+class PlanDevice(StrEnum):
+    """The device `plan_only` sizes a run for; it picks the draft attention path planned."""
+
+    cuda = "cuda"  # compiled flex attention
+    cpu = "cpu"  # dense SDPA with a boolean mask
+
+
 class BlockAttention(StrEnum):
     """Attention inside a block: causal for DSpine, bidirectional for plain DFlash."""
 
@@ -240,6 +247,8 @@ class TrainConfig:
         precision: draft parameters and activations ("bf16" or "fp32").
         plan_only: print the per-GPU memory plan of the recipe and exit (loads no weights).
         gpu_memory_gib: GPU size the memory plan checks against.
+        plan_device: the device `plan_only` sizes the run for: "cuda" counts compiled flex
+            attention (what a GPU run uses), "cpu" the dense SDPA mask path.
         world_size: GPUs assumed by `plan_only` (a real run uses the launched world).
         logits_chunk_size: block slots whose full-vocabulary logits exist at once (plan_only).
     """
@@ -250,6 +259,7 @@ class TrainConfig:
     precision: Precision = Precision.bf16
     plan_only: bool = False
     gpu_memory_gib: float = 80.0
+    plan_device: PlanDevice = PlanDevice.cuda
     world_size: int = 8
     logits_chunk_size: int = 1024
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -12,6 +12,8 @@ Notation used in every formula below (all sizes are element counts unless said o
     r  transfer_dim              m  message_size              K  candidate_k
     b  micro-batch size          S  max_length                A  anchors per sequence
     B  block size                W  world size (GPUs)         c  logits chunk (slots)
+    h  attention heads           Q  queries A*B               KV keys S + A*B
+    nq ceil(Q/128)               nk ceil(KV/128)  (flex attention's 128 x 128 mask tiles)
     P  trainable draft parameters
     p  bytes per element of `param_dtype` (2 for bf16/fp16, 4 for fp32)
 
@@ -28,8 +30,14 @@ Assumptions (each one is a choice a real run can break; the headroom covers smal
       (up to `stage3_max_live_parameters`); lower that setting if the plan is tight.
     * Gradient accumulation adds no memory: micro-batches accumulate into the same gradient
       partition. It only changes the tokens per optimizer step.
-    * Attention runs with memory-efficient kernels (flex attention / SDPA flash): no score matrix
-      of queries x keys is ever materialised. The dense boolean CPU mask path is not planned.
+    * The draft's attention is planned for the path the run takes (`attention_path`), counted
+      from what each kernel keeps (see `attention_items`). "flex" (CUDA): compiled flex
+      attention, which materialises no score matrix; it keeps per layer an fp32 logsumexp and
+      shares one block-sparse mask (index tensors of full and partial 128 x 128 tiles, and their
+      transposes for backward). "dense" (CPU): SDPA's flash kernel with the boolean
+      (b, 1, Q, KV) mask, which it turns into an additive p-byte mask of the same shape in
+      every layer and keeps for backward, plus the logsumexp. Neither keeps scores; the
+      attention output and its q/k/v are in the block and context items.
     * The target runs without its lm_head (the objective applies the head per chunk) and
       without a KV cache, under `no_grad`.
     * The loss is computed in chunks of c block slots; only one chunk of full-vocabulary fp32
@@ -61,6 +69,15 @@ LOGIT_BUFFERS_PER_CHUNK = 4
 # Share of the GPU left free by `fits`: CUDA context, NCCL and DeepSpeed buffers, allocator
 # fragmentation and the activation gradients the plan does not itemise.
 DEFAULT_HEADROOM_FRACTION = 0.10
+
+# The draft attention kernels a plan can describe (`estimate_memory(attention_path=...)`).
+ATTENTION_PATHS = {
+    "flex": "compiled flex attention (CUDA): block-sparse mask, no score matrix",
+    "dense": "dense SDPA with a boolean (b, 1, Q, KV) mask (CPU)",
+}
+
+# Flex attention's mask tile: the BlockMask indexes 128 x 128 (query x key) tiles.
+FLEX_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,8 @@ class MemoryPlan:
         tokens_per_step: b * S * W * grad_accum_steps, padded tokens per optimizer step.
         gpu_memory_gib: the GPU size the verdict of `table()` refers to (None: no verdict).
         headroom_fraction: share of the GPU `fits` keeps free.
+        attention_path: the draft attention the plan counts, "flex" or "dense" (see
+            `attention_items`).
     """
 
     items: tuple[MemoryItem, ...]
@@ -109,6 +128,7 @@ class MemoryPlan:
     tokens_per_step: int
     gpu_memory_gib: float | None = None
     headroom_fraction: float = DEFAULT_HEADROOM_FRACTION
+    attention_path: str = "flex"
 
     @property
     def total_bytes(self) -> int:
@@ -152,12 +172,13 @@ class MemoryPlan:
             f"target {self.target_parameters / 1e9:,.2f} B parameters, "
             f"{self.tokens_per_step:,} tokens per optimizer step"
         )
-        lines = [header, f"{'item':<{name_width}}  {'GiB':>8}  formula"]
+        lines_attention = f"draft attention: {ATTENTION_PATHS[self.attention_path]}"
+        lines = [header, lines_attention, f"{'item':<{name_width}}  {'GiB':>8}  formula"]
         lines.append("-" * len(lines[-1]))
         for item in self.items:
             note = f"{item.formula}  [partitioned over W]" if item.partitioned else item.formula
             lines.append(f"{item.name:<{name_width}}  {item.gib:>8.2f}  {note}")
-        lines.append("-" * len(lines[1]))
+        lines.append("-" * len(lines[2]))
         lines.append(f"{'total':<{name_width}}  {self.total_gib:>8.2f}")
         headroom = f"{self.headroom_fraction:.0%} headroom"
         if gpu_gib is None:
@@ -311,6 +332,59 @@ def draft_slot_activation_elements(
     return layer + injection
 
 
+def attention_items(
+    target_config: PretrainedConfig,
+    *,
+    draft_num_layers: int,
+    block_size: int,
+    num_anchors: int,
+    max_length: int,
+    micro_batch_size: int,
+    param_dtype_bytes: int,
+    path: str,
+    activation_checkpointing: bool,
+) -> list[MemoryItem]:
+    """What the draft's attention keeps beyond q, k, v and its output, for one micro-batch.
+
+        flex   mask        b * (4 * nq*nk + 2*nq + 2*nk) * 4 B: the BlockMask's int32 tile
+                           indices (partial and full tiles, and the transposed pair for
+                           backward) and per-row counts; built once, shared by the N layers
+               logsumexp   N * b*h*Q * 4 B: fp32, saved per layer for backward
+        dense  mask        b*Q*KV * 1 B (the boolean mask) + N * b*Q*KV * p: the additive mask
+                           SDPA derives from it in every layer and keeps for backward
+               logsumexp   N * b*h*Q * 4 B, as for flex
+
+    With activation checkpointing one layer's share is live instead of N. `tests/
+    test_memory_plan.py` checks these against what the CPU forward really keeps.
+    """
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"attention_path must be one of {sorted(ATTENTION_PATHS)}, got {path!r}")
+    cfg = _text_config(target_config)
+    b, p = micro_batch_size, param_dtype_bytes
+    q_len = num_anchors * block_size
+    kv_len = max_length + q_len
+    layers, layers_sym = (1, "1") if activation_checkpointing else (draft_num_layers, "N")
+    lse = MemoryItem(
+        "attention logsumexp (fp32)",
+        layers * b * cfg.num_attention_heads * q_len * 4,
+        f"{layers_sym} * b*h*Q * 4 B",
+    )
+    if path == "flex":
+        nq, nk = math.ceil(q_len / FLEX_TILE), math.ceil(kv_len / FLEX_TILE)
+        mask = MemoryItem(
+            "attention block mask (flex)",
+            b * (4 * nq * nk + 2 * nq + 2 * nk) * 4,
+            "b * (4*nq*nk + 2*nq + 2*nk) * 4 B, int32 tile indices",
+        )
+    else:
+        mask = MemoryItem(
+            "attention masks (dense)",
+            b * q_len * kv_len * (1 + layers * p),
+            f"b*Q*KV * (1 + {layers_sym} * {p}) B, boolean + additive per layer",
+        )
+    return [mask, lse]
+
+
 def estimate_memory(
     *,
     target_config: PretrainedConfig,
@@ -333,6 +407,7 @@ def estimate_memory(
     num_context_layers: int | None = None,
     headroom_fraction: float = DEFAULT_HEADROOM_FRACTION,
     target_parameters: int | None = None,
+    attention_path: str = "flex",
 ) -> MemoryPlan:
     """Per-GPU memory of DSpine training; the items and their formulas (module docstring notation):
 
@@ -354,6 +429,9 @@ def estimate_memory(
         draft block activations    b*A*B * N * E * p with E from `draft_slot_activation_elements`.
                                    Checkpointed: b*A*B * (N*H + E) * p (layer inputs plus one
                                    layer recomputed in backward)
+        attention (2 items)        `attention_items` for `attention_path`: the mask (flex
+                                   tile indices, or dense boolean + additive masks) and the
+                                   fp32 logsumexp, N layers (one when checkpointed)
         loss chunk                 c * (4 * V * 4 + K*H * p): 4 fp32 full-vocabulary tensors
                                    (LOGIT_BUFFERS_PER_CHUNK) and the K gathered head rows per
                                    slot of the refinement term
@@ -380,11 +458,17 @@ def estimate_memory(
         headroom_fraction: share of the GPU `fits` keeps free.
         target_parameters: the target's parameter count when already known (skips building it
             on the meta device).
+        attention_path: the draft attention the run uses: "flex" (compiled flex attention, the
+            CUDA default) or "dense" (SDPA with a boolean mask, the CPU path).
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage!r}")
     if param_dtype not in _DTYPE_BYTES:
         raise ValueError(f"param_dtype must be one of {sorted(_DTYPE_BYTES)}, got {param_dtype!r}")
+    if attention_path not in ATTENTION_PATHS:
+        raise ValueError(
+            f"attention_path must be one of {sorted(ATTENTION_PATHS)}, got {attention_path!r}"
+        )
     positive = {
         "draft_num_layers": draft_num_layers,
         "block_size": block_size,
@@ -512,6 +596,19 @@ def estimate_memory(
             "draft context path", tokens * context_elements * p, f"{context_formula} * {p} B"
         ),
         MemoryItem("draft block activations", block_bytes, block_formula),
+    ]
+    items += attention_items(
+        cfg,
+        draft_num_layers=draft_num_layers,
+        block_size=block_size,
+        num_anchors=num_anchors,
+        max_length=max_length,
+        micro_batch_size=micro_batch_size,
+        param_dtype_bytes=p,
+        path=attention_path,
+        activation_checkpointing=activation_checkpointing,
+    )
+    items += [
         MemoryItem(
             "loss chunk (logits + refinement rows)",
             logits_chunk_size * (LOGIT_BUFFERS_PER_CHUNK * vocab * 4 + candidate_k * hidden * p),
@@ -527,4 +624,5 @@ def estimate_memory(
         tokens_per_step=tokens * world * grad_accum_steps,
         gpu_memory_gib=gpu_memory_gib,
         headroom_fraction=headroom_fraction,
+        attention_path=attention_path,
     )

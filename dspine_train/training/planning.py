@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ..modeling import DSpineConfig, default_target_layer_ids
+from ..modeling.attention_masks import default_use_flex
 from .config import Precision, TrainConfig
 from .memory_plan import MemoryPlan, estimate_memory
 from .target import load_target_config
@@ -17,6 +20,7 @@ def memory_plan_for(config: TrainConfig) -> MemoryPlan:
     The target's config comes from `model.target_config_path` (shipped for the published
     targets under `recipes/targets/`) or `model.target_path`; draft fields left unset take the
     `DSpineConfig` defaults, capped by the target's size as `DSpineConfig.from_target` does.
+    The draft attention counted is the one the forward runs on `config.plan_device`.
     """
     m = config.model
     if m.tiny_random_target and not Path(m.target_path).exists():
@@ -43,4 +47,6 @@ def memory_plan_for(config: TrainConfig) -> MemoryPlan:
         logits_chunk_size=config.logits_chunk_size,
         gpu_memory_gib=config.gpu_memory_gib,
         num_context_layers=len(layer_ids),
+        # the path the draft's forward takes on that device
+        attention_path="flex" if default_use_flex(torch.device(config.plan_device)) else "dense",
     )

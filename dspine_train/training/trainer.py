@@ -24,6 +24,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..modeling.attention_masks import default_use_flex, training_attention_path
+from ..modeling.compiled_flex import check_flex_usable
 from ..objective import replacement_probability, sample_anchors
 from .checkpointing import CheckpointManager, TrainState
 from .config import TrainConfig
@@ -116,6 +118,8 @@ class Trainer:
         draft.to(device=acc.device, dtype=dtype)
         draft.bind_target(embed.to(dtype), head.to(dtype))
         self.step_module = DraftStep(draft, cfg.logits_chunk_size)
+        if default_use_flex(acc.device):  # stop before any step when the fused kernel cannot run
+            check_flex_usable(acc.device, needs_grad=True)
 
     def _setup_data(self) -> None:
         cfg, inputs = self.config, self.inputs
@@ -234,6 +238,9 @@ class Trainer:
             print(f"training {cfg.name}: {self.total_steps} steps on {self.world} process(es), "
                   f"ZeRO-{cfg.deepspeed.stage}, {_count(self.step_module):,} draft parameters, "
                   f"online target: {not self.offline}")
+            # the draft's forward picks its attention by device (`default_use_flex`)
+            print(f"draft attention on {acc.device}: "
+                  f"{training_attention_path(default_use_flex(acc.device))}")
         bar = tqdm(total=self.total_steps, initial=state.step, desc="train", unit="step",
                    disable=not (self.is_main and cfg.logging.progress_bar), dynamic_ncols=True)
         stream = self.stream.iterate(state.position)
