@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,20 @@ def check_draft_files(directory: str | Path) -> None:
         raise CheckpointError(f"{directory}: no config.json (expected an exported DSpine draft)")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors weights")
+        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        raise CheckpointError(f"{directory}: no *.safetensors weights" + (
+            f" ({', '.join(pickled)}: pickled .bin drafts are refused, safetensors only)"
+            if pickled else ""))
+    from dspine_train.modeling.configuration_dspine import DSpineConfig
+
+    try:
+        fields = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{directory}/config.json: unreadable ({err})") from err
+    try:  # every field the export writes must be there (no silent defaults)
+        DSpineConfig.check_export_dict(fields, str(directory))
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(str(err)) from err
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as handle:

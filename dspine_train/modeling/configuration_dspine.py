@@ -6,6 +6,7 @@ target's, and `DSpineConfig.from_target` derives them from any Hugging Face caus
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar, Literal
 
 from transformers import PreTrainedConfig
@@ -125,6 +126,36 @@ class DSpineConfig(PreTrainedConfig):
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         super().__post_init__(**kwargs)
         self.check_consistency()
+
+    # ------------------------------------------------------------------ strict loading
+    @classmethod
+    def export_fields(cls) -> list[str]:
+        """The fields every draft `config.json` holds (`save_pretrained` writes them all)."""
+        return ["model_type"] + [name for name, kind in DSpineConfig.__annotations__.items()
+                                 if not str(kind).startswith("ClassVar")]
+
+    @classmethod
+    def check_export_dict(cls, config_dict: dict[str, Any], source: str) -> None:
+        """`ValueError` naming the fields an export's `config.json` lacks: a draft loads only
+        with every field it was saved with (a default would silently change it: random
+        layers, another block size, other context layers)."""
+        missing = [name for name in cls.export_fields() if name not in config_dict]
+        if missing:
+            raise ValueError(
+                f"{source}: config.json lacks {', '.join(missing)}; a DSpine draft export "
+                "holds every field (re-export it, or add the fields it was trained with)"
+            )
+        if config_dict["model_type"] != cls.model_type:
+            raise ValueError(f"{source}: config.json has model_type "
+                             f"{config_dict['model_type']!r}, not {cls.model_type!r}")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike,
+                        **kwargs: Any) -> DSpineConfig:
+        """Load a draft config strictly: `check_export_dict` first, then as transformers does."""
+        config_dict, _ = cls.get_config_dict(pretrained_model_name_or_path, **dict(kwargs))
+        cls.check_export_dict(config_dict, str(pretrained_model_name_or_path))
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     # ------------------------------------------------------------------ validation
     def check_consistency(self) -> None:

@@ -9,7 +9,10 @@ are never parameters of the draft nor part of its checkpoint.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +127,33 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         self._target_embed: torch.Tensor | None = None
         self._target_head: torch.Tensor | None = None
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any,
+                        **kwargs: Any) -> DSpineDraftModel:
+        """Load an export strictly: safetensors only (a `.bin` would be unpickled), every
+        config field present (`DSpineConfig.from_pretrained`), and missing, unexpected or
+        mismatched weights are a `ValueError` naming them instead of a warning."""
+        source = Path(str(pretrained_model_name_or_path))
+        if source.is_dir() and not any(source.glob("*.safetensors")):
+            pickled = sorted(p.name for p in source.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+            if pickled:
+                raise ValueError(f"{source}: {', '.join(pickled)} is a pickled (.bin) draft; "
+                                 "only safetensors drafts are loaded (convert it first)")
+        if kwargs.pop("use_safetensors", True) is not True:
+            raise ValueError("DSpineDraftModel.from_pretrained: safetensors only (use_safetensors)")
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args,
+                                              use_safetensors=True, output_loading_info=True,
+                                              **kwargs)
+        problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(str, info[kind])))}"
+                    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                    if info.get(kind)]
+        problems += [str(msg) for msg in info.get("error_msgs") or []]
+        if problems:
+            raise ValueError(f"{source}: the weights do not match its config.json ("
+                             + "; ".join(problems) + ")")
+        return (model, info) if want_info else model
 
     # ------------------------------------------------------------------ target binding
     def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,10 @@ class ModelConfig:
         token_table_path: PCA-whitened token codes (SPEC 2.1); built from the target's lm_head
             and cached here when missing. None: `<output_dir>/token_table.safetensors`.
         init_from: an exported draft directory to start from instead of a fresh draft.
+        used_vocab_size: ids the target's tokenizer uses (`len(tokenizer)`; the mask token and
+            `target_vocab_size` of the export follow from it). None: read from the tokenizer
+            files in `target_path`, which a target then must have. Set it for a target
+            without tokenizer files; with a tokenizer it must equal its length.
         num_layers .. distill_mass_threshold: `DSpineConfig` fields; None keeps its default.
     """
 
@@ -69,6 +74,7 @@ class ModelConfig:
     tiny_random_target: bool = False
     token_table_path: str | None = None
     init_from: str | None = None
+    used_vocab_size: int | None = None
 
     num_layers: int | None = None
     block_size: int | None = None
@@ -93,7 +99,7 @@ class ModelConfig:
     def draft_overrides(self) -> dict[str, Any]:
         """The `DSpineConfig` fields this recipe sets (the ones that are not None)."""
         own = {"target_path", "target_config_path", "trust_remote_code", "target_dtype", "tiny_random_target",
-               "token_table_path", "init_from"}
+               "token_table_path", "init_from", "used_vocab_size"}
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -277,7 +283,19 @@ def register_configs() -> None:
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """Turn Hydra's composed DictConfig into a validated `TrainConfig` instance."""
+    """Turn Hydra's composed DictConfig into a validated `TrainConfig` instance.
+
+    Re-merging onto the structured schema (as `data_prep.config.to_data_config` does) catches
+    keys that a `+key=value` override forced past Hydra's struct check.
+    """
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), plain)
+    except ConfigKeyError as err:
+        raise ConfigError(f"{err.full_key}: not a setting of the training schema "
+                          "(dspine_train/training/config.py)") from err
+    except ValidationError as err:
+        raise ConfigError(f"{err.full_key}: {err.msg}") from err
     config = OmegaConf.to_object(cfg)
     if not isinstance(config, TrainConfig):  # composed without the schema: a recipe bug
         raise ConfigError("the composed config is not a TrainConfig; recipes/config.yaml "

@@ -48,7 +48,8 @@ def check_inputs(config: TrainConfig) -> RunInputs:
         write_synthetic_dataset(d.train_path, m.target_path, d.synthetic_num_sequences,
                                 d.synthetic_length, seed=config.seed)
     target_config = load_target_config(m.target_path, m.trust_remote_code)
-    draft_config = draft_config_for(m, target_config, used_vocab_size(m.target_path))
+    used = used_vocab_size(m.target_path, target_config.vocab_size, m.used_vocab_size)
+    draft_config = draft_config_for(m, target_config, used)
     depth = target_config.num_hidden_layers
     bad = [i for i in draft_config.target_layer_ids if not 0 <= i < depth - 1]
     if bad:

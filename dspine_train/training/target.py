@@ -23,6 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from .errors import TrainingError
 
+# Files of which a tokenizer has at least one; without them transformers makes a placeholder.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -67,12 +70,48 @@ def load_target(
     return model.eval().to(device)
 
 
-def used_vocab_size(path: str) -> int | None:
-    """`len(tokenizer)` of the target when it ships a tokenizer, else None."""
-    try:
-        return len(AutoTokenizer.from_pretrained(path))
-    except (OSError, ValueError, TypeError):
-        return None
+def used_vocab_size(path: str, vocab_size: int, explicit: int | None = None) -> int:
+    """The ids the target's tokenizer uses: `len(tokenizer)`, or `model.used_vocab_size`.
+
+    Without tokenizer files transformers builds a placeholder tokenizer of a single token
+    (a real token would then become the mask id), so a local target without them, or with a
+    tokenizer shorter than half its `vocab_size` (`vocab_size` rows; real tokenizers fill
+    nearly all of them), counts as having none: `explicit` must then say it.
+    """
+    source = Path(path)
+    where = f"model.target_path {path!r}"
+    found = None
+    if not source.is_dir() or any((source / name).is_file() for name in _TOKENIZER_FILES):
+        try:
+            found = len(AutoTokenizer.from_pretrained(path))
+        except (OSError, ValueError, TypeError):
+            found = None
+    if found is not None and found < vocab_size // 2:
+        if explicit is None:
+            raise TrainingError(
+                f"{where}: its tokenizer has {found} tokens for {vocab_size} vocabulary rows, "
+                "not a real tokenizer; save the target's tokenizer there or set "
+                "model.used_vocab_size"
+            )
+        found = None
+    if explicit is not None:
+        if not 1 <= explicit <= vocab_size:
+            raise TrainingError(
+                f"model.used_vocab_size must be in 1..{vocab_size} (the target's vocab_size), "
+                f"got {explicit}"
+            )
+        if found is not None and found != explicit:
+            raise TrainingError(
+                f"model.used_vocab_size is {explicit} but the tokenizer of {where} has {found} "
+                "tokens; set model.used_vocab_size=null to use the tokenizer"
+            )
+        return explicit
+    if found is None:
+        raise TrainingError(
+            f"{where} has no tokenizer ({', '.join(_TOKENIZER_FILES)}), so the ids it uses "
+            "are unknown; save the target's tokenizer there or set model.used_vocab_size"
+        )
+    return found
 
 
 def target_head_weights(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

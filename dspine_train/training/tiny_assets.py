@@ -3,7 +3,9 @@
 * `write_tiny_target`: a random Qwen3 (4 layers, H 64, V 512) saved with `save_pretrained`, so
   the trainer loads it through the same `from_pretrained` path as a real target. Its weights
   are initialised with a large spread so its next-token distributions are peaked (a near-
-  uniform target would give the draft nothing to learn).
+  uniform target would give the draft nothing to learn). A small byte-level BPE tokenizer with
+  a chat template is saved with it (`write_tiny_tokenizer`, trained locally on a fixed text):
+  like a real target it says which ids are in use, and the evaluation harness needs one.
 * `write_synthetic_dataset`: conversations *sampled from that target* (as `data_prep`
   regenerates real responses with the target), with an unsupervised "prompt" prefix, saved as
   a DatasetDict with `train` and `eval` splits and the `input_ids` / `loss_mask` / `length`
@@ -28,6 +30,50 @@ TINY_VOCAB = 512
 # which is the draft's mask token (the tiny recipe uses 511).
 TINY_USED_VOCAB = 500
 PROMPT_TOKENS = 8
+
+# Qwen-style turns; enough for `apply_chat_template(..., add_generation_prompt=True)`.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>"]
+# Byte-level BPE: 256 byte symbols + the special tokens + merges; stays below the ids the tiny
+# recipe keeps unused (>= TINY_USED_VOCAB, one of them the mask token).
+TOKENIZER_VOCAB = 384
+_CORPUS = (
+    "def add(a, b):\n    return a + b\n",
+    "Complete the following Python function. Reply with the complete function in a single "
+    "```python code block.",
+    "The quick brown fox jumps over the lazy dog. How do I write a function that returns the "
+    "n-th Fibonacci number? Explain what the code does, then show an example.",
+    "for i in range(len(numbers)):\n    if numbers[i] > threshold:\n        result.append(i)\n",
+)
+
+
+def write_tiny_tokenizer(target_dir: Path) -> None:
+    """Save a byte-level BPE tokenizer with a chat template into `target_dir` (once)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if (target_dir / "tokenizer.json").is_file():
+        return
+    assert TOKENIZER_VOCAB <= TINY_USED_VOCAB  # ids the tiny target actually produces
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    core.train_from_iterator(list(_CORPUS) * 8, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, chat_template=CHAT_TEMPLATE)
+    tmp = Path(tempfile.mkdtemp(dir=target_dir.parent, prefix=f".{target_dir.name}.tok."))
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        # tokenizer.json last: its presence marks the tokenizer as complete
+        for item in sorted(tmp.iterdir(), key=lambda p: p.name == "tokenizer.json"):
+            shutil.move(str(item), target_dir / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def tiny_target_config() -> Qwen3Config:
@@ -67,6 +113,7 @@ def write_tiny_target(path: str | Path, seed: int = 0) -> None:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     tmp.chmod(0o755)  # mkdtemp makes it private; the published directory is not
     model.save_pretrained(tmp, safe_serialization=True)
+    write_tiny_tokenizer(tmp)
     _publish(tmp, path)
 
 

@@ -81,17 +81,30 @@ class Trainer:
         self.is_main = acc.is_main_process
         self.world = acc.num_processes
         self.rank = acc.process_index
+        # The checkpoint directory is checked before any weights exist: a fresh run must not
+        # prune another run's checkpoints, a resume must find this run's (`checkpointing`).
+        ckpt_root = Path(config.checkpoint.dir or self.output_dir / "checkpoints")
+        self.checkpoints = CheckpointManager(ckpt_root, config.checkpoint.keep_last, acc,
+                                             _flat_config(config))
+        self.resume_path = None
+        if config.checkpoint.resume_from:
+            self.resume_path = self.checkpoints.resolve(config.checkpoint.resume_from)
+        if self.resume_path is None:
+            self.checkpoints.check_fresh()
+        else:
+            self.checkpoints.check_resumable(self.resume_path)
         set_seed(config.seed)
         with without_zero3_init(acc):
             self._setup_model()
         self._setup_data()
         self._setup_optimization()
-        ckpt_root = Path(config.checkpoint.dir or self.output_dir / "checkpoints")
-        self.checkpoints = CheckpointManager(ckpt_root, config.checkpoint.keep_last, acc)
         self.state = TrainState(total_steps=self.total_steps, world_size=self.world,
                                 grad_accum_steps=config.optim.grad_accum_steps)
-        if config.checkpoint.resume_from:
-            self._resume(config.checkpoint.resume_from)
+        if self.resume_path is not None:
+            self._resume(self.resume_path)
+        elif config.checkpoint.resume_from and self.is_main:
+            print(f"checkpoint.resume_from=latest: no checkpoint in {self.checkpoints.root}, "
+                  "starting fresh")
 
     # ------------------------------------------------------------------ setup
     def _setup_model(self) -> None:
@@ -180,19 +193,19 @@ class Trainer:
             self.step_module, optimizer, scheduler
         )
 
-    def _resume(self, resume_from: str) -> None:
-        path = self.checkpoints.resolve(resume_from)
-        if path is None:
-            if self.is_main:
-                print(f"checkpoint.resume_from=latest: no checkpoint in {self.checkpoints.root}, "
-                      "starting fresh")
-            return
+    def _resume(self, path: Path) -> None:
         state = self.checkpoints.load(path)
-        if state.total_steps != self.total_steps:
+        if self.total_steps < state.step:
             raise TrainingError(
-                f"checkpoint.resume_from: {path} belongs to a run of {state.total_steps} steps, "
-                f"this one has {self.total_steps} (the schedule would not match)"
+                f"optim.max_steps / optim.epochs: this run has {self.total_steps} steps, the "
+                f"checkpoint {path} is at step {state.step} already"
             )
+        if state.total_steps != self.total_steps and self.is_main:
+            # More steps may be asked on resume: the schedule continues on the new length.
+            print(f"note: the run now has {self.total_steps} steps (the checkpoint's had "
+                  f"{state.total_steps}); the warmup + cosine schedule continues from step "
+                  f"{state.step} for the new length")
+        state.total_steps = self.total_steps
         state.world_size, state.grad_accum_steps = self.world, self.config.optim.grad_accum_steps
         self.state = state
         if self.is_main:
