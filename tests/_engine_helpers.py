@@ -182,28 +182,9 @@ def train_draft_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr
     """A few optimizer steps of the DSpine objective on target sequences `(B, S)`.
 
     Enough to lift acceptance above an untrained draft's, which is all the lossless tests need
-    from a "trained" draft (the trainer itself is tested elsewhere).
+    from a "trained" draft (the trainer itself is tested elsewhere). The GPU check trains its
+    exactness draft the same way, so both use the package's function.
     """
-    from dspine_train.objective import dspine_loss, sample_anchors
-    from dspine_train.token_table import build_token_table
+    from dspine_train.gpu_check.models import train_draft_briefly as train
 
-    cfg = draft.config
-    table = build_token_table(hf_model.lm_head.weight.detach().float(), cfg.transfer_dim)
-    draft.init_token_table(table)
-    draft.bind_target(hf_model.model.embed_tokens.weight.detach(), hf_model.lm_head.weight.detach())
-    with torch.no_grad():
-        out = hf_model(sequences, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in cfg.target_layer_ids], dim=-1)
-    final = out.hidden_states[-1]
-    mask = torch.ones_like(sequences)
-    gen = torch.Generator().manual_seed(0)
-    optim = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
-    draft.train()
-    for step in range(steps):
-        anchors, anchor_mask = sample_anchors(mask, 16, cfg.block_size, gen)
-        train_out = draft(sequences, feats, anchors, anchor_mask)
-        loss, _ = dspine_loss(draft, train_out, final, mask, anchors, anchor_mask, step, steps)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-    return draft.eval()
+    return train(draft, hf_model, sequences, steps, lr)
