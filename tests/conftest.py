@@ -19,6 +19,15 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny target, its dataset and token-table path (`_train_helpers.build_tiny_assets`),
+    written once for every trainer test module."""
+    from tests._train_helpers import build_tiny_assets
+
+    return build_tiny_assets(tmp_path_factory.mktemp("tiny_assets"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -34,7 +34,7 @@ from dspine_train.training.errors import TrainingError
 from dspine_train.training.target import used_vocab_size
 from dspine_train.training.tiny_assets import TINY_VOCAB, tiny_target_config
 from tests._data_helpers import QWEN3_TEMPLATE, word_level_tokenizer
-from tests._train_helpers import REPO, build_tiny_assets, check_ok, run_train, tiny_overrides
+from tests._train_helpers import REPO, check_ok, run_train, tiny_overrides
 
 STEPS = 4  # the shared run: checkpoints at steps 2 and 4
 
@@ -216,11 +216,6 @@ def test_the_fingerprint_ignores_only_the_listed_settings() -> None:
 
 
 # ---------------------------------------------------------------------------- train.py runs
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny_assets"))
-
-
 @pytest.fixture(scope="module")
 def short_run(tiny_assets, tmp_path_factory) -> Path:
     """4 ZeRO-2 steps of the tiny recipe, checkpoints at steps 2 and 4."""

@@ -48,12 +48,7 @@ from dspine_train.training.target import (
     read_embedding_and_head,
     target_head_weights,
 )
-from tests._train_helpers import build_tiny_assets, single_thread
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny_assets"))
+from tests._train_helpers import single_thread
 
 
 @pytest.fixture(autouse=True)

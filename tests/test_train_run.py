@@ -17,7 +17,6 @@ from safetensors import safe_open
 from dspine_train import DSpineDraftModel
 from dspine_train.training.checkpointing import STATE_FILE, checkpoint_name, complete_checkpoints
 from tests._train_helpers import (
-    build_tiny_assets,
     check_ok,
     read_metrics,
     run_train,
@@ -31,11 +30,6 @@ STEPS, HALF = 24, 12
 BLOCK = 8  # the tiny recipe's block size
 TWO_PROCESSES = ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1",
                  "--mixed_precision", "no", "--dynamo_backend", "no"]
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny_assets"))
 
 
 @pytest.fixture(scope="module")
