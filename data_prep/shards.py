@@ -1,10 +1,11 @@
 """Atomic outputs: JSONL shards (the regeneration output and its resume state) and files.
 
 A shard is written to a hidden ``.part-NNNNN.jsonl.XXXX.tmp``, flushed to disk and renamed to
-``part-NNNNN.jsonl`` (:func:`dspine_train.checkpoint_io.write_text_atomic`); a rename is atomic, so a shard either exists complete or not at all,
-whatever kills the process.  The ids in the complete shards are the finished rows: a rerun
-skips them (no duplicates) and redoes everything else (no losses).  Left-over ``.tmp`` files
-are from a killed write and are deleted on start.
+``part-NNNNN.jsonl`` (:func:`dspine_train.checkpoint_io.write_text_atomic`); a rename is
+atomic, so a shard either exists complete or not at all, whatever kills the process.  The
+ids in the complete shards are the finished rows: a rerun skips them (no duplicates) and
+redoes everything else (no losses).  Left-over ``.tmp`` files are from a killed write and are
+deleted on start.
 """
 
 from __future__ import annotations

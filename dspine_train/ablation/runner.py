@@ -232,7 +232,7 @@ def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> 
     """`destination`: the export at `source` with `switches` written into its config.json.
 
     Weights are hard-linked (copied where links are impossible); written to a temporary
-    directory and renamed, so the destination is always a whole export.
+    directory and swapped in, so the destination is always a whole export, never missing.
     """
     if not (source / "config.json").is_file():
         raise AblationError(f"{source}: no exported draft to derive from")
