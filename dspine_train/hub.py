@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +39,8 @@ from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData,
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from huggingface_hub.utils._http import default_client_factory
-from safetensors import SafetensorError, safe_open
+
+from dspine_train.checkpoint_io import SafetensorsWeights, WeightsError, write_text_atomic
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -104,38 +104,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _weight_files(export_dir: Path) -> list[str]:
-    """The safetensors files of the export: the single file, or the shards of the index."""
-    if (export_dir / WEIGHTS_FILE).is_file():
-        return [WEIGHTS_FILE]
-    if not (export_dir / WEIGHTS_INDEX_FILE).is_file():
-        raise ExportError(f"{export_dir / WEIGHTS_FILE}: missing (no {WEIGHTS_INDEX_FILE} either)")
-    index_path = export_dir / WEIGHTS_INDEX_FILE
-    weight_map = _read_json(index_path).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ExportError(f"{index_path}: no 'weight_map' entries")
-    for key, name in weight_map.items():
-        # A shard is a plain file name next to the index: never a path out of the export.
-        if not isinstance(name, str) or not name or Path(name).name != name or name[0] == ".":
-            raise ExportError(
-                f"{index_path}: weight_map[{key!r}] = {name!r} is not a shard file name "
-                "in the export directory"
-            )
-    return sorted(set(weight_map.values()))
-
-
-def _count_tensors(path: Path) -> tuple[int, int]:
-    """(tensors, elements) of a safetensors file, reading only its header."""
-    if not path.is_file():
-        raise ExportError(f"{path}: missing")
+def _weights(export_dir: Path) -> tuple[list[str], int, int]:
+    """(file names, tensors, elements) of the export's safetensors weights, headers only:
+    the single file, or the shards of the index."""
     try:
-        with safe_open(str(path), framework="numpy") as handle:
-            shapes = [handle.get_slice(name).get_shape() for name in handle.keys()]
-    except (SafetensorError, OSError) as err:
-        raise ExportError(f"{path}: not a readable safetensors file ({err})") from None
-    if not shapes:
-        raise ExportError(f"{path}: holds no tensors")
-    return len(shapes), sum(math.prod(shape) for shape in shapes)
+        with SafetensorsWeights(export_dir, framework="numpy") as weights:
+            num_tensors = num_values = 0
+            for file in weights.files:
+                shapes = weights.file_shapes(file)
+                if not shapes:
+                    raise ExportError(f"{file}: holds no tensors")
+                num_tensors += len(shapes)
+                num_values += sum(math.prod(shape) for shape in shapes.values())
+            return [file.name for file in weights.files], num_tensors, num_values
+    except WeightsError as err:
+        raise ExportError(str(err)) from None
 
 
 def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
@@ -153,12 +136,7 @@ def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
         raise ExportError(
             f"{config_path}: model_type is {config.get('model_type')!r}, expected 'dspine'"
         )
-    weight_files = _weight_files(path)
-    num_tensors = num_values = 0
-    for name in weight_files:
-        tensors, values = _count_tensors(path / name)
-        num_tensors += tensors
-        num_values += values
+    weight_files, num_tensors, num_values = _weights(path)
 
     eval_path = path / EVAL_RESULTS_FILE
     eval_results = _read_json(eval_path) if eval_path.is_file() else None
@@ -368,16 +346,7 @@ def render_model_card(
 def write_card(export_dir: str | os.PathLike[str], card: str) -> Path:
     """Write `card` as README.md of the export, atomically (no half-written card on failure)."""
     target = Path(export_dir) / CARD_FILE
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".README.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(card)
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only; a card is meant to be read
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return target
+    return write_text_atomic(target, card)
 
 
 def set_request_timeout(seconds: float) -> None:

@@ -266,7 +266,7 @@ def _remove(path: Path) -> None:
                 (e / "model.safetensors").read_bytes()[:-16]
             ),
             "model.safetensors",
-            "not a readable safetensors file",
+            "not a valid safetensors file",
         ),
         (
             lambda e: (e / "eval_results.json").write_text('{"acceptance_length": "high"}'),
