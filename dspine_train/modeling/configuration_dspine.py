@@ -25,6 +25,34 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+# What each `method` fixes (SPEC 1, 2.5). `dflash` is the reference DFlash network and decode
+# (z-lab's `DFlashDraftModel`): no injection, bidirectional attention inside the block, each slot
+# decoded by its own argmax, and none of DSpine's extra training terms. A field left unset (None)
+# takes its method's value; `dflash` refuses any other value (see `DSpineConfig.__post_init__`).
+METHOD_PRESETS: dict[str, dict[str, Any]] = {
+    "dspine": {
+        "injection": True,
+        "block_attention": "causal",
+        "transition_cache": True,
+        "refine_weight": 1.0,
+        "alignment_weight": 0.5,
+        "token_ce_intermediate": False,
+    },
+    "dflash": {
+        "injection": False,
+        "block_attention": "bidirectional",
+        "transition_cache": False,
+        "refine_weight": 0.0,
+        "alignment_weight": 0.0,
+        "token_ce_intermediate": False,
+    },
+}
+
+# Blocks of config.json that the exports derive from the fields (`dspine_train.formats`); they
+# are written for other tools to read and dropped on load (the top-level fields are the truth).
+DERIVED_BLOCKS: tuple[str, ...] = ("dflash_config", "dspine_config", "num_target_layers")
+
+
 def _rope_parameters_of(config: PreTrainedConfig) -> dict[str, Any]:
     """RoPE settings of a target config, whichever transformers convention it uses."""
     params = getattr(config, "rope_parameters", None)
@@ -52,8 +80,13 @@ class DSpineConfig(PreTrainedConfig):
         target_num_layers: depth L of the target, kept to validate `target_layer_ids`.
         block_size: block length B (slot 0 is the anchor, slots 1..B-1 are drafted).
         mask_token_id: an unused vocabulary id that fills slots 1..B-1 of the block input.
+        method: "dspine" or "dflash" (the reference DFlash network: `METHOD_PRESETS` fixes
+            `injection`, `block_attention`, `transition_cache`, `refine_weight`,
+            `alignment_weight` and `token_ce_intermediate`; an explicit other value is refused).
+            The fields it fixes default to None ("the method's value").
         block_attention: "causal" (DSpine) or "bidirectional" (DFlash) attention inside a block.
-        injection: gated adjacent injection (SPEC 2.2); False is plain DFlash.
+        injection: gated adjacent injection (SPEC 2.2); False alone is DSpine without injection
+            (`method: dflash` is plain DFlash).
         transfer_dim: r, the dimension of the token codes / prediction features.
         message_size: width of the shared message M (r -> message_size).
         replacement_layers: the first layers that use true predecessor codes for the blocks
@@ -109,24 +142,25 @@ class DSpineConfig(PreTrainedConfig):
     target_num_layers: int = 36
     block_size: int = 16
     mask_token_id: int | None = None
-    block_attention: Literal["causal", "bidirectional"] = "causal"
+    method: Literal["dspine", "dflash"] = "dspine"
+    block_attention: Literal["causal", "bidirectional"] | None = None
 
     # DSpine parts (SPEC 2.1-2.4).
-    injection: bool = True
+    injection: bool | None = None
     transfer_dim: int = 1024
     message_size: int = 512
     replacement_layers: int = 3
-    transition_cache: bool = True
+    transition_cache: bool | None = None
     candidate_k: int = 16
 
     # Objective (SPEC 2.3).
     loss_gamma: float = 7.0
     ce_weight: float = 0.1
     distill: bool = True
-    refine_weight: float = 1.0
-    alignment_weight: float = 0.5
+    refine_weight: float | None = None
+    alignment_weight: float | None = None
     alignment_warmup_steps: int = 150
-    token_ce_intermediate: bool = False
+    token_ce_intermediate: bool | None = None
     distill_mass_threshold: float = 1e-4
 
     # Target identity.
@@ -140,8 +174,35 @@ class DSpineConfig(PreTrainedConfig):
         if self.target_layer_ids is None:
             self.target_layer_ids = default_target_layer_ids(self.target_num_layers, self.num_layers)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.apply_method()
+        for name in DERIVED_BLOCKS:  # written by the exports, derived from the fields
+            kwargs.pop(name, None)
         super().__post_init__(**kwargs)
         self.check_consistency()
+
+    def apply_method(self) -> None:
+        """Fill the fields `method` fixes (`METHOD_PRESETS`) that are unset; `ValueError` naming
+        every field set against `method: dflash` (the reference DFlash has none of them)."""
+        if self.method not in METHOD_PRESETS:
+            raise ValueError(f"method must be one of {sorted(METHOD_PRESETS)}, got {self.method!r}")
+        preset = METHOD_PRESETS[self.method]
+        conflicts = []
+        for name, value in preset.items():
+            current = getattr(self, name)
+            if current is None:
+                setattr(self, name, value)
+            elif self.method == "dflash" and current != value:
+                conflicts.append(f"{name}={current!r} (dflash: {value!r})")
+        if conflicts:
+            raise ValueError(
+                "method: dflash is the reference DFlash draft and fixes these fields; remove "
+                f"them or use method: dspine: {', '.join(conflicts)}"
+            )
+
+    @classmethod
+    def method_fields(cls) -> tuple[str, ...]:
+        """The fields `method` fixes (None in a recipe: the method's value)."""
+        return tuple(METHOD_PRESETS["dspine"])
 
     # ------------------------------------------------------------------ field groups
     @classmethod
@@ -171,6 +232,8 @@ class DSpineConfig(PreTrainedConfig):
         """`ValueError` naming the fields an export's `config.json` lacks: a draft loads only
         with every field it was saved with (a default would silently change it: random
         layers, another block size, other context layers)."""
+        # `method` came later; an export without it is a DSpine draft with its switches as saved.
+        config_dict.setdefault("method", "dspine")
         missing = [name for name in cls.export_fields() if name not in config_dict]
         if missing:
             raise ValueError(

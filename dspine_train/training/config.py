@@ -51,21 +51,41 @@ def _draft_field_types() -> dict[str, Any]:
     return typing.get_type_hints(holder, globalns=vars(sys.modules[DSpineConfig.__module__]))
 
 
+def _literal_values(name: str) -> tuple[str, ...]:
+    """The values of Literal draft field `name` (its annotation may be `Literal[...] | None`)."""
+    kind = _draft_field_types()[name]
+    for arg in (kind, *typing.get_args(kind)):
+        if typing.get_origin(arg) is typing.Literal:
+            return typing.get_args(arg)
+    raise TypeError(f"DSpineConfig.{name} is not a Literal")
+
+
 # Attention inside a block, from `DSpineConfig.block_attention`'s Literal: "causal" (DSpine)
 # or "bidirectional" (plain DFlash). An Enum, so OmegaConf checks the value.
 BlockAttention = StrEnum(
     "BlockAttention",
-    {value: value for value in typing.get_args(_draft_field_types()["block_attention"])},
+    {value: value for value in _literal_values("block_attention")},
 )
 
 
+# The draft's method, from `DSpineConfig.method`'s Literal: "dspine" or "dflash" (the reference
+# DFlash draft; see `METHOD_PRESETS` for the fields it fixes).
+DraftMethod = StrEnum(
+    "DraftMethod",
+    {value: value for value in _literal_values("method")},
+)
+
 # The Enum standing for each Literal field of DSpineConfig (OmegaConf checks Enums, not Literals).
-_LITERAL_ENUMS: dict[str, type[Enum]] = {"block_attention": BlockAttention}
+_LITERAL_ENUMS: dict[str, type[Enum]] = {"block_attention": BlockAttention,
+                                         "method": DraftMethod}
 
 
 def _schema_type(name: str, kind: Any) -> Any:
     """The schema type of draft field `name`: its `DSpineConfig` annotation made optional,
     a Literal replaced by its Enum in `_LITERAL_ENUMS`."""
+    if typing.get_origin(kind) in (types.UnionType, typing.Union):  # `X | None`: X
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        kind = args[0] if len(args) == 1 else kind
     if typing.get_origin(kind) is typing.Literal:
         if name not in _LITERAL_ENUMS:
             raise TypeError(f"DSpineConfig.{name} is a Literal: add its Enum to _LITERAL_ENUMS")

@@ -1,0 +1,39 @@
+"""Command line: convert an exported draft to a checkpoint format.
+
+    python -m dspine_train.export SRC_DIR OUT_DIR --format dflash|dspine
+
+`--format dflash` writes what z-lab's `DFlashDraftModel` (and the serving stacks that follow its
+format) load: only a draft trained with `method: dflash` can be written so. `--format dspine`
+writes this project's own export (which also carries the DFlash keys, under its own
+`architectures` name). SRC_DIR may be either format. OUT_DIR is built beside itself and swapped
+in whole. A bad argument or an unconvertible draft is reported in one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dspine_train.formats import FORMATS, FormatError, export_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the conversion; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m dspine_train.export",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="an exported draft directory (dspine or dflash format)")
+    parser.add_argument("out", help="the directory to write")
+    parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
+                        help="dflash: DFlashDraftModel's format; dspine: this project's own")
+    args = parser.parse_args(argv)
+    try:
+        out = export_dir(args.source, args.out, args.fmt)
+    except FormatError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.fmt} draft to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Draft checkpoint formats: what an export directory holds, written and read in one place.
+
+* `dspine` (this project's own): `config.json` of `DSpineConfig` (`model_type: dspine`,
+  `architectures: ["DSpineDraftModel"]`, every field) plus, derived from the fields for other
+  tools to read, the DFlash keys (`dflash_config`, `num_target_layers`) and a `dspine_config`
+  block with DSpine's own settings; `model.safetensors` holds the backbone under DFlash's
+  tensor names plus `injection.*` and `token_codes`. Its `architectures` name is not DFlash's,
+  so a loader that dispatches on it refuses the directory instead of running a DSpine draft as
+  DFlash.
+* `dflash` (`dflash.py`): what z-lab's `DFlashDraftModel` and the serving stacks that follow it
+  read. Only a DFlash draft (`method: dflash`) can be written in it.
+
+`export_dir` converts an export directory (the CLI `python -m dspine_train.export`);
+`write_format` writes a draft into a directory being built (the trainer's export);
+`load_draft` reads either format into a `DSpineDraftModel` (a DFlash checkpoint becomes a
+`method: dflash` draft). Further formats (SpecForge, speculators) go beside these.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_json_atomic
+from ..modeling import DSpineConfig, DSpineDraftModel
+from . import dflash
+from .dflash import FormatError
+
+FORMATS = ("dspine", "dflash")
+WEIGHTS_FILE = "model.safetensors"
+# Files of a DSpine export that travel with it (the dflash format keeps only the info file).
+SIDE_FILES = {"dspine": ("token_table.safetensors", "training_info.json"),
+              "dflash": ("training_info.json",)}
+# DFlash's own keys (the `dflash_config` block) are not repeated in `dspine_config`.
+_DFLASH_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
+
+__all__ = ["FORMATS", "FormatError", "dspine_blocks", "export_dir", "import_dflash",
+           "load_draft", "write_format"]
+
+
+def dspine_blocks(config: DSpineConfig) -> dict[str, Any]:
+    """The keys the dspine format adds to `config.json`: DFlash's (`dflash_config`,
+    `num_target_layers`) and `dspine_config`, every draft field DFlash has not. They are derived
+    from the fields and dropped on load (`DSpineConfig.DERIVED_BLOCKS`)."""
+    own = {name: getattr(config, name) for name in DSpineConfig.draft_fields()
+           if name not in _DFLASH_FIELDS}
+    return {"num_target_layers": config.target_num_layers,
+            "dflash_config": dflash.dflash_block(config),
+            "dspine_config": own}
+
+
+def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write `draft` (weights `state_dict`, default its own) into `directory` in format `fmt`:
+    `model.safetensors` and `config.json`. `FormatError` when the draft cannot be written so."""
+    if fmt not in FORMATS:
+        raise FormatError(f"--format {fmt!r}: not one of {', '.join(FORMATS)}")
+    state = state_dict if state_dict is not None else draft.state_dict()
+    directory = Path(directory)
+    if fmt == "dspine":
+        draft.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        path = directory / "config.json"
+        fields = json.loads(path.read_text())
+        fields.update(dspine_blocks(draft.config))
+        write_json_atomic(path, fields, indent=2, sort_keys=True)
+        return
+    source = getattr(draft.config, "_name_or_path", "") or "the draft"
+    dflash.check_exportable(draft.config, source)
+    tensors = dflash.state_dict(state)
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    dtype = next(iter(tensors.values())).dtype
+    write_json_atomic(directory / "config.json", dflash.config_dict(draft.config, dtype),
+                      indent=2, sort_keys=True)
+
+
+def import_dflash(directory: str | Path) -> DSpineDraftModel:
+    """A DFlash checkpoint as a `method: dflash` `DSpineDraftModel` (the same network).
+
+    Every backbone tensor must be present with its shape, and nothing else may be; DSpine's own
+    parts (`injection.*`, `token_codes`), unused by a dflash draft, keep their initial values.
+    """
+    directory = Path(directory)
+    config = dflash.config_from_dict(dflash.read_config(directory), str(directory))
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FormatError(f"{directory}: no *.safetensors weights (safetensors only)")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as err:  # safetensors raises its own error types for a bad file
+            raise FormatError(f"{path}: unreadable safetensors ({err})") from err
+    draft = DSpineDraftModel(config)
+    own = draft.state_dict()
+    unexpected = sorted(k for k in tensors if k not in own or not dflash.is_backbone_key(k))
+    missing = sorted(k for k in own if dflash.is_backbone_key(k) and k not in tensors)
+    mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(own[k].shape)})"
+                        for k in tensors if k in own and tensors[k].shape != own[k].shape)
+    problems = [f"{kind}: {', '.join(keys)}" for kind, keys in
+                (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
+                if keys]
+    if problems:
+        raise FormatError(f"{directory}: the weights do not match its config.json ("
+                          + "; ".join(problems) + ")")
+    dtype = next(iter(tensors.values())).dtype
+    draft.load_state_dict(tensors, strict=False)
+    draft.config._name_or_path = str(directory)
+    return draft.to(dtype).eval()
+
+
+def load_draft(directory: str | Path) -> DSpineDraftModel:
+    """The draft exported at `directory`, in either format (a DFlash checkpoint is imported as a
+    `method: dflash` draft); strict (`DSpineDraftModel.from_pretrained` / `import_dflash`)."""
+    fields = dflash.read_config(directory)
+    if dflash.is_dflash_config(fields):
+        return import_dflash(directory)
+    return DSpineDraftModel.from_pretrained(str(directory))
+
+
+def export_dir(source: str | Path, out: str | Path, fmt: str) -> Path:
+    """Write the draft exported at `source` (either format) to `out` in format `fmt`.
+
+    `out` is built beside itself and swapped in whole: it is never half-written, and an
+    existing export there is replaced only once the new one is complete. Returns `out`.
+    """
+    source, out = Path(source), Path(out)
+    if fmt not in FORMATS:
+        raise FormatError(f"--format {fmt!r}: not one of {', '.join(FORMATS)}")
+    if not (source / "config.json").is_file():
+        raise FormatError(f"{source}: no config.json (expected an exported draft directory)")
+    if out.resolve() == source.resolve():
+        raise FormatError(f"{out}: the output directory is the source; write to another one")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir())
+                                                and not (out / "config.json").is_file())):
+        raise FormatError(f"{out}: exists and is not a draft export; refusing to replace it")
+    try:
+        draft = load_draft(source)
+    except FormatError:
+        raise
+    except (OSError, ValueError) as err:
+        raise FormatError(f"{source}: {err}") from err
+    if fmt == "dflash":  # refuse before anything is written
+        dflash.check_exportable(draft.config, str(source))
+    clean_dead_builds(out)
+    tmp = build_dir(out)
+    try:
+        write_format(draft, tmp, fmt)
+        for name in SIDE_FILES[fmt]:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,209 @@
+"""The DFlash family's checkpoint format (z-lab's `DFlashDraftModel`, `pip install dflash`).
+
+What the DFlash loaders read, established from `dflash==0.1.0` (`dflash/model.py`):
+
+* `config.json`: a Qwen3 config (`model_type: qwen3`; width, heads, `head_dim`, MLP width, RoPE,
+  norm epsilon, `num_hidden_layers` = draft layers, `attention_bias`), `architectures:
+  ["DFlashDraftModel"]`, and `dflash_config {target_layer_ids, mask_token_id, block_size}`.
+  The loader also reads the top-level `num_target_layers` unconditionally (it is the argument of
+  its default-layer helper), so it is written there as well as in `dflash_config`. `is_causal`
+  absent or false with full-attention `layer_types` is attention over the whole block
+  (bidirectional); `input_embedding_scale`, `output_multiplier` and
+  `final_logit_softcapping` default to plain Qwen behaviour.
+* `target_layer_ids` number the target's decoder layers from 0 and take layer i's *output*
+  as `hidden_states[i + 1]`: the same convention as `DSpineConfig.target_layer_ids`, so the
+  ids are written unchanged.
+* weights: `fc.weight`, `hidden_norm.weight`, `layers.N.{self_attn.{q,k,v,o}_proj, self_attn.
+  {q,k}_norm, mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm}.weight` and
+  `norm.weight`: exactly the names of our backbone. No target embedding or head (both are the
+  target's, as here). Our `injection.*` and `token_codes` have no place in it.
+
+The network it runs is ours with `method: dflash`: context features `hidden_norm(fc(concat))`
+projected by each layer's k/v (no input norm on the context), block queries/keys/values from the
+layer's input norm, q/k RMSNorm then RoPE at the absolute positions (context 0..a-1, block
+a..a+B-1), attention over every context position before the anchor and every slot of the block,
+SwiGLU MLP, final norm, the target's `lm_head`; slot k >= 1 predicts token a+k, decoded by
+argmax per slot. `tests/test_dflash_format.py` checks this against the package itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen3Config
+
+from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
+
+ARCHITECTURE = "DFlashDraftModel"
+# Parameter names shared by DFlash and our backbone (identical on both sides); the rest of our
+# state dict is DSpine's own and is never written in this format.
+BACKBONE_PREFIXES = ("fc.", "hidden_norm.", "layers.", "norm.")
+DSPINE_ONLY_PREFIXES = ("injection.", "token_codes")
+# The fields of a draft that decide whether DFlash's network and decode are ours.
+NETWORK_FIELDS = ("injection", "block_attention", "transition_cache")
+# DFlash config keys that change the network in ways this project does not implement (yet).
+UNSUPPORTED_KEYS = {
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+    "use_sliding_window": False,
+}
+
+
+class FormatError(ValueError):
+    """A draft cannot be written in, or read from, a format; the message says why."""
+
+
+def is_backbone_key(name: str) -> bool:
+    """Whether state-dict key `name` is part of the DFlash backbone."""
+    return name.startswith(BACKBONE_PREFIXES)
+
+
+def check_exportable(config: DSpineConfig, source: str) -> None:
+    """`FormatError` unless `config` is a DFlash draft (`method: dflash`, or the same network and
+    decode: no injection, bidirectional block, per-slot decode)."""
+    preset = METHOD_PRESETS["dflash"]
+    differ = [f"{name}={getattr(config, name)!r}" for name in NETWORK_FIELDS
+              if getattr(config, name) != preset[name]]
+    if differ:
+        raise FormatError(
+            f"{source}: a DSpine draft (method: {config.method}; {', '.join(differ)}) cannot be "
+            "exported with --format dflash: DFlash loaders would silently drop its injection "
+            "weights and token codes and run a different network (bidirectional block, per-slot "
+            "argmax); export it with --format dspine, or train it with method: dflash"
+        )
+
+
+def config_dict(config: DSpineConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The DFlash `config.json` of a draft with `config` and weights of `dtype`."""
+    qwen = Qwen3Config(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+        attention_bias=config.attention_bias,
+        initializer_range=config.initializer_range,
+        tie_word_embeddings=False,
+    )
+    out = qwen.to_dict()
+    for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
+        out.pop(key, None)
+    out["architectures"] = [ARCHITECTURE]
+    out["dtype"] = str(dtype).removeprefix("torch.")
+    # Older transformers read RoPE from top-level keys; the same values as rope_parameters.
+    out["rope_theta"] = float(config.rope_parameters.get("rope_theta", 10000.0))
+    out["is_causal"] = False  # attention over the whole block, as DFlash's default
+    out["num_target_layers"] = config.target_num_layers
+    out["dflash_config"] = dflash_block(config)
+    return out
+
+
+def dflash_block(config: DSpineConfig) -> dict[str, Any]:
+    """The `dflash_config` block: context layers (output of layer i = hidden_states[i + 1], our
+    numbering too), mask token, block size and target depth."""
+    return {
+        "target_layer_ids": list(config.target_layer_ids),
+        "mask_token_id": config.mask_token_id,
+        "block_size": config.block_size,
+        "num_target_layers": config.target_num_layers,
+    }
+
+
+def state_dict(draft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The backbone tensors of a draft state dict, under DFlash's names (ours), contiguous."""
+    unknown = [k for k in draft_state
+               if not is_backbone_key(k) and not k.startswith(DSPINE_ONLY_PREFIXES)]
+    if unknown:
+        raise FormatError(f"state dict holds tensors of neither format: {', '.join(unknown)}")
+    return {k: v.detach().contiguous() for k, v in draft_state.items() if is_backbone_key(k)}
+
+
+# ---------------------------------------------------------------------------- reading
+def is_dflash_config(fields: dict[str, Any]) -> bool:
+    """Whether a `config.json` dict is a DFlash checkpoint's (not a DSpine export's)."""
+    if fields.get("model_type") == DSpineConfig.model_type:
+        return False
+    return ARCHITECTURE in (fields.get("architectures") or []) or "dflash_config" in fields
+
+
+def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
+    """A `method: dflash` `DSpineConfig` for a DFlash `config.json`; `FormatError` names every
+    key whose network this project does not run."""
+    archs = fields.get("architectures") or [ARCHITECTURE]
+    if archs != [ARCHITECTURE]:
+        raise FormatError(f"{source}: architectures {archs}: only {ARCHITECTURE} drafts are read")
+    block = dict(fields.get("dflash_config") or {})
+    unsupported = []
+    for key, plain in UNSUPPORTED_KEYS.items():
+        got = block.get(key, fields.get(key))
+        off = got is None or got == plain or (key == "final_logit_softcapping" and got <= 0)
+        if not off:
+            unsupported.append(f"{key}={got!r}")
+    if fields.get("is_causal"):
+        unsupported.append("is_causal=True (a causal DFlash block)")
+    kinds = set(fields.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        unsupported.append(f"layer_types={sorted(kinds)}")
+    if unsupported:
+        raise FormatError(f"{source}: config.json sets {', '.join(unsupported)}, which this "
+                          "project's DFlash network does not implement")
+    try:
+        qwen = Qwen3Config(**{k: v for k, v in fields.items() if k != "dflash_config"})
+    except (TypeError, ValueError) as err:
+        raise FormatError(f"{source}: config.json is not a Qwen3 config: {err}") from err
+
+    def value(name: str) -> Any:
+        return block.get(name, fields.get(name))
+
+    depth = value("num_target_layers")
+    mask = value("mask_token_id")
+    if mask is None:
+        raise FormatError(f"{source}: config.json has no dflash_config.mask_token_id")
+    if depth is None:
+        raise FormatError(f"{source}: config.json has no num_target_layers (the target's depth)")
+    hidden = qwen.hidden_size
+    try:
+        return DSpineConfig(
+            method="dflash",
+            vocab_size=qwen.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=qwen.intermediate_size,
+            num_attention_heads=qwen.num_attention_heads,
+            num_key_value_heads=qwen.num_key_value_heads,
+            head_dim=getattr(qwen, "head_dim", None) or hidden // qwen.num_attention_heads,
+            hidden_act=qwen.hidden_act,
+            rms_norm_eps=qwen.rms_norm_eps,
+            max_position_embeddings=qwen.max_position_embeddings,
+            rope_parameters=dict(qwen.rope_parameters),
+            attention_bias=bool(qwen.attention_bias),
+            num_layers=qwen.num_hidden_layers,
+            target_layer_ids=value("target_layer_ids"),  # None: the same formula as DFlash's
+            target_num_layers=int(depth),
+            block_size=int(value("block_size") or 16),
+            mask_token_id=int(mask),
+            # DSpine's parts are unused by a dflash draft; sized so they fit any target.
+            transfer_dim=min(DSpineConfig.transfer_dim, hidden, qwen.vocab_size - 1),
+            message_size=min(DSpineConfig.message_size, hidden),
+            candidate_k=min(DSpineConfig.candidate_k, qwen.vocab_size),
+        )
+    except ValueError as err:
+        raise FormatError(f"{source}: {err}") from err
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """`config.json` of `directory` as a dict; `FormatError` when absent or unreadable."""
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise FormatError(f"{path}: unreadable ({err})") from err
