@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import transformers
+
 from dspine_train.formats import FORMATS, FormatError, export_dir
 
 
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
                         help="dflash: DFlashDraftModel's format; dspine: this project's own")
     args = parser.parse_args(argv)
+    transformers.utils.logging.disable_progress_bar()  # one line of output, not a loading bar
     try:
         out = export_dir(args.source, args.out, args.fmt)
     except FormatError as err:

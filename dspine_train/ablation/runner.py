@@ -247,6 +247,9 @@ def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> 
                     shutil.copy2(item, tmp / item.name)
         config = json.loads((source / "config.json").read_text())
         config.update(switches)
+        block = config.get("dspine_config")  # the format's derived copy (`dspine_train.formats`)
+        if isinstance(block, dict):
+            block.update({k: v for k, v in switches.items() if k in block})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         replace_dir(tmp, destination)
     finally:

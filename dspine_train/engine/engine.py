@@ -158,10 +158,10 @@ class Engine:
         if draft is not None:
             # Imported here: the modeling package pulls in transformers' model machinery, which
             # plain decoding does not need.
-            from dspine_train.modeling import DSpineDraftModel
+            from dspine_train.formats import load_draft
 
             try:  # strict load: missing, unexpected or mismatched weights are a ValueError
-                draft_model = DSpineDraftModel.from_pretrained(str(draft))
+                draft_model = load_draft(draft)  # a DFlash checkpoint: a method-dflash draft
             except ValueError as err:  # its own errors name the directory; others get it
                 message = str(err) if str(draft) in str(err) else f"draft {draft}: {err}"
                 raise CheckpointError(message) from err

@@ -139,13 +139,14 @@ def export_dir(source: str | Path, out: str | Path, fmt: str) -> Path:
                                                 and not (out / "config.json").is_file())):
         raise FormatError(f"{out}: exists and is not a draft export; refusing to replace it")
     try:
+        fields = dflash.read_config(source)
+        if fmt == "dflash" and not dflash.is_dflash_config(fields):  # refuse before any loading
+            dflash.check_exportable(DSpineConfig.from_pretrained(source), str(source))
         draft = load_draft(source)
     except FormatError:
         raise
     except (OSError, ValueError) as err:
         raise FormatError(f"{source}: {err}") from err
-    if fmt == "dflash":  # refuse before anything is written
-        dflash.check_exportable(draft.config, str(source))
     clean_dead_builds(out)
     tmp = build_dir(out)
     try:

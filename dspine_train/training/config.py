@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ..modeling.configuration_dspine import DSpineConfig
+from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
 
 
 class ConfigError(ValueError):
@@ -289,6 +289,26 @@ class EvalConfig:
     batch_size: int = 1
 
 
+class ExportFormat(StrEnum):
+    """Checkpoint format of the trainer's exports (`dspine_train.formats`)."""
+
+    dspine = "dspine"  # this project's own (DSpineDraftModel; carries the DFlash keys too)
+    dflash = "dflash"  # z-lab's DFlashDraftModel format; a `method: dflash` draft only
+
+
+@dataclass
+class ExportConfig:
+    """The exported drafts (`<output_dir>/final`, `<output_dir>/best`).
+
+    Attributes:
+        format: "dspine" (default) or "dflash": what `python -m dspine_train.export
+            --format` writes. "dflash" needs `model.method: dflash` (a DSpine draft has parts
+            that DFlash loaders would drop); either format loads in this project's engine.
+    """
+
+    format: ExportFormat = ExportFormat.dspine
+
+
 @dataclass
 class TrainConfig:
     """A whole training run; `train.py` receives this, composed by Hydra from `recipes/`.
@@ -322,6 +342,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 def register_configs() -> None:
@@ -388,8 +409,27 @@ def validate_config(config: TrainConfig) -> None:
         raise ConfigError(f"optim.betas must hold two numbers, got {config.optim.betas}")
     if config.deepspeed.stage not in (2, 3):
         raise ConfigError(f"deepspeed.stage must be 2 or 3, got {config.deepspeed.stage}")
+    if config.export.format == ExportFormat.dflash:
+        _check_dflash_export(config.model)
     if config.model.target_dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(
             "model.target_dtype must be 'bfloat16', 'float16' or 'float32', "
             f"got {config.model.target_dtype!r}"
+        )
+
+
+def _check_dflash_export(model: ModelConfig) -> None:
+    """`export.format: dflash` writes only a DFlash draft: `model.method: dflash` (or a recipe
+    that sets DFlash's network and decode field by field)."""
+    overrides = model.draft_overrides()
+    if overrides.get("method") == "dflash":
+        return
+    dflash = METHOD_PRESETS["dflash"]
+    differ = [f"model.{name}" for name in ("injection", "block_attention", "transition_cache")
+              if overrides.get(name) != dflash[name]]
+    if differ:
+        raise ConfigError(
+            "export.format: dflash needs model.method: dflash (this recipe trains a DSpine draft: "
+            f"{', '.join(differ)} not DFlash's); DFlash loaders would drop its injection "
+            "weights and run another network - use export.format: dspine"
         )

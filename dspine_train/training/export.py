@@ -1,8 +1,9 @@
 """Export the trained draft as a Hugging Face model directory.
 
-`model.safetensors` + `config.json` via `save_pretrained` (the token codes are a buffer of the
-draft, so they are inside), a `token_table.safetensors` copy of the full table, and
-`training_info.json`. The target's embedding and lm_head are never part of it. Under ZeRO-3
+`model.safetensors` + `config.json` in the format `export.format` names (`dspine_train.formats`:
+"dspine" is `save_pretrained` plus the DFlash keys, the token codes being a buffer of the draft;
+"dflash" is z-lab's DFlashDraftModel format, backbone only), a `token_table.safetensors` copy
+of the full table (dspine only), and `training_info.json`. The target's embedding and lm_head are never part of it. Under ZeRO-3
 the weights are gathered first (`accelerator.get_state_dict`, which relies on
 `stage3_gather_16bit_weights_on_model_save`). `DSpineDraftModel.from_pretrained(path)` reloads
 it bit-identically.
@@ -19,6 +20,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from ..formats import write_format
 
 DRAFT_PREFIX = "draft."
 TOKEN_TABLE_FILE = "token_table.safetensors"
@@ -31,6 +33,7 @@ def export_draft(
     out_dir: Path,
     token_table_path: Path,
     info: dict[str, Any],
+    fmt: str = "dspine",
 ) -> None:
     """Write the draft wrapped by `engine` (a prepared `DraftStep`) to `out_dir`.
 
@@ -47,8 +50,9 @@ def export_draft(
     clean_dead_builds(out_dir)
     tmp = build_dir(out_dir)
     try:
-        draft.save_pretrained(tmp, state_dict=draft_state, safe_serialization=True)
-        shutil.copyfile(token_table_path, tmp / TOKEN_TABLE_FILE)
+        write_format(draft, tmp, fmt, draft_state)
+        if fmt == "dspine":  # the DFlash format has no token codes
+            shutil.copyfile(token_table_path, tmp / TOKEN_TABLE_FILE)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str))
         replace_dir(tmp, out_dir)  # no moment without a whole export at out_dir
     finally:

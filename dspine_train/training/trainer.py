@@ -383,7 +383,8 @@ class Trainer:
             "tau": stats.tau if stats else None,
             "acceptance_by_position": stats.position_rates() if stats else None,
         }
-        export_draft(self.accelerator, self.engine, out_dir, self.token_table_path, info)
+        export_draft(self.accelerator, self.engine, out_dir, self.token_table_path, info,
+                     fmt=self.config.export.format.value)
 
 
 def _count(module: torch.nn.Module) -> int:

@@ -1,0 +1,327 @@
+"""`method: dflash` is the reference DFlash draft, proven against z-lab's own client.
+
+The `dflash` package (`dflash==0.1.0`, installed without its dependencies by `make install`:
+its pins conflict with ours, and it imports only torch and transformers) runs here with our
+pinned transformers 5.24.0 as is, no shim. A tiny random Qwen3 target; everything on CPU, fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from _engine_helpers import (
+    build_tiny_target,
+    build_tokenizer,
+    hf_features,
+    hf_greedy,
+    tiny_draft,
+    train_draft_briefly,
+)
+from dflash.model import DFlashDraftModel
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from dspine_train.engine import Engine
+from dspine_train.export import main as export_main
+from dspine_train.formats import FormatError, export_dir, load_draft
+from dspine_train.modeling import DSpineConfig, DSpineDraftModel
+from dspine_train.training.config import ConfigError, register_configs, to_train_config
+from dspine_train.training.errors import TrainingError
+from dspine_train.training.planning import plan_draft_config
+from tests._train_helpers import REPO, train_env
+
+NEW = 24  # new tokens per prompt
+VOCAB = 200  # ids the tokenizer uses; the mask token is 200
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny Qwen3 target (6 layers), a briefly trained `method: dflash` draft exported in
+    both formats, a DSpine draft, and prompts with the target's greedy continuations."""
+    root = tmp_path_factory.mktemp("dflash")
+    hf = build_tiny_target(
+        root / "target", "qwen3", head_scale=4.0, num_hidden_layers=6, eos_token_id=None
+    )
+    build_tokenizer(root / "target", vocab_size=VOCAB)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (3, 7, 10, 5)]
+    reference = [hf_greedy(hf, p, NEW) for p in prompts]
+    sequences = torch.tensor([p + hf_greedy(hf, p, 40 - len(p)) for p in prompts])
+    draft = train_draft_briefly(tiny_draft(hf, VOCAB, method="dflash"), hf, sequences,
+                                steps=150, lr=1e-2)
+    draft.save_pretrained(root / "ours")  # the trainer's (dspine) export
+    tiny_draft(hf, VOCAB).save_pretrained(root / "dspine")  # a DSpine draft
+    assert export_main([str(root / "ours"), str(root / "ours_dflash"), "--format", "dflash"]) == 0
+    return {"root": root, "hf": hf, "prompts": prompts, "reference": reference}
+
+
+def _bound(draft: DSpineDraftModel, hf) -> DSpineDraftModel:
+    draft.bind_target(hf.model.embed_tokens.weight, hf.lm_head.weight)
+    return draft.eval()
+
+
+def _our_block_logits(draft: DSpineDraftModel, feats: torch.Tensor, anchor: int) -> torch.Tensor:
+    """Our slot logits (Bk-1, V) for a block after context features `feats` (T, n*H)."""
+    cache = draft.new_context_cache(1, feats.shape[0] + draft.config.block_size)
+    draft.append_context(cache, feats[None], torch.tensor([feats.shape[0]]))
+    logits, _, _ = draft.draft_forward(cache, torch.tensor([anchor]))
+    return logits[0]
+
+
+def _their_block_logits(model: DFlashDraftModel, hf, feats: torch.Tensor, anchor: int):
+    """The reference's slot logits for the same block, called as its `spec_generate` does."""
+    bk = model.block_size
+    ids = torch.full((1, bk), model.mask_token_id)
+    ids[0, 0] = anchor
+    with torch.no_grad():
+        hidden = model(target_hidden=feats[None], noise_embedding=hf.model.embed_tokens(ids),
+                       position_ids=torch.arange(feats.shape[0] + bk)[None])[:, 1:]
+        return model.compute_logits(hidden, hf.lm_head)[0]
+
+
+# ----------------------------------------------------------------------------- the preset
+def test_method_dflash_fixes_the_network_decode_and_terms(world):
+    config = load_draft(world["root"] / "ours").config
+    assert config.method == "dflash"
+    assert (config.injection, config.block_attention, config.transition_cache) == (
+        False, "bidirectional", False)
+    assert (config.refine_weight, config.alignment_weight, config.token_ce_intermediate) == (
+        0.0, 0.0, False)
+    # the default method is DSpine's, with its parts on
+    dspine = DSpineConfig.from_target(world["hf"].config, used_vocab_size=VOCAB)
+    assert (dspine.method, dspine.injection, dspine.block_attention) == ("dspine", True, "causal")
+    # a DSpine switch set against the preset is refused, naming every such key
+    with pytest.raises(ValueError, match=r"injection=True.*refine_weight=0\.5"):
+        DSpineConfig.from_target(world["hf"].config, used_vocab_size=VOCAB, method="dflash",
+                                 injection=True, refine_weight=0.5)
+    # restating the preset's own value is fine
+    DSpineConfig.from_target(world["hf"].config, used_vocab_size=VOCAB, method="dflash",
+                             block_attention="bidirectional")
+
+
+def _compose(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        return to_train_config(compose("config", overrides=list(overrides)))
+
+
+def test_recipe_method_is_one_setting():
+    config = plan_draft_config(_compose("recipe=tiny", "model.method=dflash"))
+    assert (config.method, config.injection, config.transition_cache) == ("dflash", False, False)
+    with pytest.raises(TrainingError, match="alignment_weight=0.3"):
+        plan_draft_config(_compose("recipe=tiny", "model.method=dflash",
+                                   "model.alignment_weight=0.3"))
+    # the trainer's export in DFlash's format needs a DFlash draft, refused before any work
+    with pytest.raises(ConfigError, match=r"export.format: dflash needs model.method: dflash"):
+        _compose("recipe=tiny", "export.format=dflash")
+    assert _compose("recipe=tiny", "export.format=dflash", "model.method=dflash").export.format \
+        == "dflash"
+
+
+# ----------------------------------------------------------------------------- export
+def test_dflash_export_holds_the_backbone_only(world):
+    root = world["root"]
+    fields = json.loads((root / "ours_dflash" / "config.json").read_text())
+    ours = load_draft(root / "ours").config
+    assert fields["architectures"] == ["DFlashDraftModel"] and fields["model_type"] == "qwen3"
+    assert fields["dflash_config"] == {"target_layer_ids": ours.target_layer_ids,
+                                       "mask_token_id": VOCAB, "block_size": 8,
+                                       "num_target_layers": 6}
+    assert fields["num_hidden_layers"] == 2 and fields["head_dim"] == 16
+    keys = set(load_file(root / "ours_dflash" / "model.safetensors"))
+    assert keys and all(k.split(".")[0] in ("fc", "hidden_norm", "layers", "norm") for k in keys)
+    full = set(load_file(root / "ours" / "model.safetensors"))
+    assert full - keys == {k for k in full if k.startswith(("injection.", "token_codes"))}
+    assert sorted(p.name for p in (root / "ours_dflash").iterdir()) == [
+        "config.json", "model.safetensors"]
+
+
+def test_dspine_draft_is_refused_for_the_dflash_format(world, capsys):
+    root = world["root"]
+    out = root / "refused"
+    assert export_main([str(root / "dspine"), str(out), "--format", "dflash"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "drop its injection weights" in err and "--format dspine" in err and "injection=True" in err
+    assert not out.exists() and not list(root.glob(".refused*"))  # nothing half-written
+
+
+def test_dspine_format_carries_the_dflash_keys_under_its_own_name(world):
+    root = world["root"]
+    out = export_dir(root / "dspine", root / "dspine_fmt", "dspine")
+    fields = json.loads((out / "config.json").read_text())
+    assert fields["architectures"] == ["DSpineDraftModel"] and fields["model_type"] == "dspine"
+    assert fields["dflash_config"]["target_layer_ids"] == fields["target_layer_ids"]
+    assert fields["dspine_config"]["injection"] is True
+    assert fields["dspine_config"]["transfer_dim"] == fields["transfer_dim"]
+    again = DSpineDraftModel.from_pretrained(out)  # the derived blocks are not fields
+    assert not hasattr(again.config, "dflash_config")
+    original = load_file(root / "dspine" / "model.safetensors")
+    assert all(original[k].equal(v) for k, v in load_file(out / "model.safetensors").items())
+    # DFlash's class does not run it as a DFlash draft: every DSpine tensor is reported
+    # unexpected and the layers it expects are missing (no silent success)
+    _, info = DFlashDraftModel.from_pretrained(str(out), output_loading_info=True)
+    assert {k for k in info["unexpected_keys"]} >= {"token_codes", "injection.gate_pred.weight"}
+    assert info["missing_keys"]
+
+
+def test_export_cli_runs_as_a_module(world):
+    root = world["root"]
+    done = subprocess.run(
+        [sys.executable, "-m", "dspine_train.export", str(root / "nowhere"), str(root / "x"),
+         "--format", "dflash"], capture_output=True, text=True, env=train_env(), cwd=REPO)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: {root / 'nowhere'}: no config.json (expected an " \
+                                  "exported draft directory)"
+
+
+# ----------------------------------------------------------------------------- the client
+def test_reference_client_loads_our_export_and_computes_our_logits(world):
+    root, hf = world["root"], world["hf"]
+    theirs, info = DFlashDraftModel.from_pretrained(str(root / "ours_dflash"),
+                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"] and not info["error_msgs"]
+    ours = _bound(load_draft(root / "ours"), hf)
+    assert theirs.target_layer_ids == ours.config.target_layer_ids
+    for prompt in world["prompts"]:
+        _, feats = hf_features(hf, prompt, ours.config.target_layer_ids)
+        for anchor in (prompt[-1], 42):
+            mine = _our_block_logits(ours, feats, anchor)
+            ref = _their_block_logits(theirs.eval(), hf, feats, anchor)
+            torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+
+
+def _record_engine_rounds(engine: Engine) -> list[tuple[int, list[int]]]:
+    """(block start, drafted tokens) of every draft call of `engine` (batch of one)."""
+    rounds: list[tuple[int, list[int]]] = []
+    propose = engine.draft.propose
+
+    def recording(cache, anchor_ids, *args, **kwargs):
+        start = int(cache.lengths[0])
+        out = propose(cache, anchor_ids, *args, **kwargs)
+        rounds.append((start, out.tokens[0].tolist()))
+        return out
+
+    engine.draft.propose = recording
+    return rounds
+
+
+def _record_reference_rounds(model: DFlashDraftModel) -> list[tuple[int, int, list[int]]]:
+    """(block start, block length, drafted tokens) of every draft call of the reference."""
+    rounds: list[tuple[int, int, list[int]]] = []
+
+    def hook(module, args, kwargs):
+        size = kwargs["noise_embedding"].shape[1]
+        rounds.append((int(kwargs["position_ids"][0, -size]), size, []))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    compute = model.compute_logits
+
+    def logits(hidden, head):
+        out = compute(hidden, head)
+        rounds[-1][2].extend(out.argmax(-1)[0].tolist())
+        return out
+
+    model.compute_logits = logits
+    return rounds
+
+
+def test_reference_spec_generate_with_our_draft_is_lossless_and_accepts_as_our_engine(world):
+    root, hf = world["root"], world["hf"]
+    engine = Engine.from_pretrained(root / "target", root / "ours", max_seq_len=96,
+                                    eos_token_ids=[], max_batch_size=1)
+    compared = accepted = 0
+    for prompt, reference in zip(world["prompts"], world["reference"]):
+        theirs = DFlashDraftModel.from_pretrained(str(root / "ours_dflash")).eval()
+        ref_rounds = _record_reference_rounds(theirs)
+        out = theirs.spec_generate(hf, torch.tensor([prompt]), max_new_tokens=NEW,
+                                   stop_token_ids=None)
+        assert out[0, len(prompt):].tolist() == reference  # the target's greedy output
+        our_rounds = _record_engine_rounds(engine)
+        assert engine.generate([prompt], max_new_tokens=NEW, chat=False).token_ids == [reference]
+        # Every full block the reference drafted, our engine drafted at the same position
+        # with the same tokens, so both accept the same tokens. (At the length limit the
+        # reference drafts a shorter block, which bidirectional attention sees differently;
+        # the engine always drafts whole blocks. Those last rounds are not compared.)
+        full = [(start, tokens) for start, size, tokens in ref_rounds if size == theirs.block_size]
+        assert len(full) >= 2
+        assert full == our_rounds[: len(full)]
+        ref_starts, our_starts = [s for s, _, _ in ref_rounds], [s for s, _ in our_rounds]
+        n = min(len(full) + 1, len(ref_starts), len(our_starts))
+        assert ref_starts[:n] == our_starts[:n]  # the same tokens committed in every round
+        sequence = prompt + reference
+        for start, tokens in full:  # accepted drafts: the leading ones the target agrees with
+            agree = [t == sequence[start + 1 + k] for k, t in enumerate(tokens)
+                     if start + 1 + k < len(sequence)]
+            accepted += next((k for k, ok in enumerate(agree) if not ok), len(agree))
+        compared += len(full)
+    print(f"{compared} rounds compared, {accepted} drafted tokens accepted")
+    assert accepted > compared  # a trained draft: more than one accepted token per round
+
+
+def test_draft_made_by_the_reference_class_imports_here(world, tmp_path):
+    root, hf = world["root"], world["hf"]
+    target = hf.config
+    config = transformers.Qwen3Config(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size, num_hidden_layers=3,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+        rms_norm_eps=target.rms_norm_eps, max_position_embeddings=target.max_position_embeddings,
+        rope_parameters=dict(target.rope_parameters), num_target_layers=6,
+        dflash_config={"target_layer_ids": [0, 2, 4], "mask_token_id": VOCAB, "block_size": 4},
+    )
+    torch.manual_seed(3)
+    theirs = DFlashDraftModel(config).eval()
+    with torch.no_grad():  # non-trivial norms, so a misplaced norm shows
+        for name, param in theirs.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    theirs.save_pretrained(tmp_path / "ref")
+
+    ours = _bound(load_draft(tmp_path / "ref"), hf)
+    assert ours.config.method == "dflash" and ours.config.block_size == 4
+    assert ours.config.target_layer_ids == [0, 2, 4] and ours.config.num_layers == 3
+    for prompt in world["prompts"][:2]:
+        _, feats = hf_features(hf, prompt, [0, 2, 4])
+        torch.testing.assert_close(_our_block_logits(ours, feats, 42),
+                                   _their_block_logits(theirs, hf, feats, 42),
+                                   rtol=1e-5, atol=1e-5)
+    # our engine serves it (a random draft: lossless, whatever it proposes) ...
+    engine = Engine.from_pretrained(root / "target", tmp_path / "ref", max_seq_len=96,
+                                    eos_token_ids=[])
+    result = engine.generate(world["prompts"], max_new_tokens=NEW, chat=False)
+    assert result.token_ids == world["reference"]
+    # ... and it converts to our format and back to DFlash's with the same tensors
+    export_dir(tmp_path / "ref", tmp_path / "as_dspine", "dspine")
+    export_dir(tmp_path / "as_dspine", tmp_path / "back", "dflash")
+    before, after = load_file(tmp_path / "ref" / "model.safetensors"), load_file(
+        tmp_path / "back" / "model.safetensors")
+    assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)
+
+
+def test_a_dflash_checkpoint_with_foreign_tensors_is_refused(world, tmp_path):
+    root = world["root"]
+    export_dir(root / "ours", tmp_path / "d", "dflash")
+    tensors = load_file(tmp_path / "d" / "model.safetensors")
+    tensors["extra.weight"] = torch.zeros(2)
+    del tensors["norm.weight"]
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(FormatError, match=r"missing: norm\.weight; unexpected: extra\.weight"):
+        load_draft(tmp_path / "d")
