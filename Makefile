@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch pinned in the same command as deepspeed, or deepspeed pulls a CUDA torch.
 	$(PIP) install --quiet torch==2.13.0 -e ".[dev,prompts]"
+	# z-lab's DFlash reference client, which tests/test_dflash_format.py loads our exports with.
+	# Without its dependencies: it pins datasets 5.0.1 and tqdm 4.70.0 against ours, and it
+	# imports only torch and transformers (see pyproject.toml, `dev`).
+	$(PIP) install --quiet --no-deps dflash==0.1.0
 	touch $@
 
 install: $(VENV)/.installed

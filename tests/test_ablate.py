@@ -109,13 +109,15 @@ def test_variant_switches_reach_the_exports(smoke: tuple[Path, dict]) -> None:
     def config(name: str) -> dict:
         return json.loads((out / name / "final" / "config.json").read_text())
 
-    assert config("dflash")["injection"] is False
+    assert config("dflash")["method"] == "dflash" and config("dflash")["injection"] is False
+    assert config("dflash")["transition_cache"] is False
     assert config("dflash")["block_attention"] == "bidirectional"
     assert config("dspine")["injection"] is True and config("dspine")["transition_cache"] is True
     assert config("dspine")["block_attention"] == "causal"
     assert config("dspine_no_cosine")["alignment_weight"] == 0.0
     assert config("dspine_token_ce")["token_ce_intermediate"] is True
     assert config("dspine_no_tcache")["transition_cache"] is False
+    assert config("dspine_no_tcache")["dspine_config"]["transition_cache"] is False
     # the derived export decodes dspine's weights: the very same file
     derived = (out / "dspine_no_tcache" / "final" / "model.safetensors").read_bytes()
     assert derived == (out / "dspine" / "final" / "model.safetensors").read_bytes()
