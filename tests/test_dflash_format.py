@@ -33,7 +33,7 @@ from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.training.config import ConfigError, register_configs, to_train_config
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.planning import plan_draft_config
-from tests._train_helpers import REPO, train_env
+from tests._train_helpers import REPO, check_ok, run_train, tiny_overrides, train_env
 
 NEW = 24  # new tokens per prompt
 VOCAB = 200  # ids the tokenizer uses; the mask token is 200
@@ -325,3 +325,24 @@ def test_a_dflash_checkpoint_with_foreign_tensors_is_refused(world, tmp_path):
     save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
     with pytest.raises(FormatError, match=r"missing: norm\.weight; unexpected: extra\.weight"):
         load_draft(tmp_path / "d")
+
+
+@pytest.mark.slow  # one DeepSpeed run of the tiny recipe
+def test_trainer_exports_a_dflash_run_in_dflash_format(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    check_ok(run_train(tiny_overrides(tiny_assets, out, "model.method=dflash",
+                                      "export.format=dflash", "optim.max_steps=4",
+                                      "eval.every=0")))
+    final = out / "final"
+    assert json.loads((final / "config.json").read_text())["architectures"] == [
+        "DFlashDraftModel"]
+    assert not (final / "token_table.safetensors").exists()
+    theirs, info = DFlashDraftModel.from_pretrained(str(final), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    # and it is the draft the run trained: the same logits as its import here
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_assets["target"]).eval()
+    ours = _bound(load_draft(final), hf)
+    _, feats = hf_features(hf, [5, 6, 7, 8, 9], ours.config.target_layer_ids)
+    torch.testing.assert_close(_our_block_logits(ours, feats, 11),
+                               _their_block_logits(theirs.eval(), hf, feats, 11),
+                               rtol=1e-5, atol=1e-5)
