@@ -199,11 +199,6 @@ class DSpineConfig(PreTrainedConfig):
                 f"them or use method: dspine: {', '.join(conflicts)}"
             )
 
-    @classmethod
-    def method_fields(cls) -> tuple[str, ...]:
-        """The fields `method` fixes (None in a recipe: the method's value)."""
-        return tuple(METHOD_PRESETS["dspine"])
-
     # ------------------------------------------------------------------ field groups
     @classmethod
     def own_fields(cls) -> dict[str, dataclasses.Field]:
