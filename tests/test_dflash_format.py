@@ -29,6 +29,13 @@ from safetensors.torch import load_file
 from dspine_train.engine import Engine
 from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
+from dspine_train.formats.reference_parity import (
+    compare_rounds,
+    our_block_logits,
+    record_engine_rounds,
+    record_reference_rounds,
+    reference_block_logits,
+)
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.training.config import ConfigError, register_configs, to_train_config
 from dspine_train.training.errors import TrainingError
@@ -71,25 +78,6 @@ def world(tmp_path_factory):
 def _bound(draft: DSpineDraftModel, hf) -> DSpineDraftModel:
     draft.bind_target(hf.model.embed_tokens.weight, hf.lm_head.weight)
     return draft.eval()
-
-
-def _our_block_logits(draft: DSpineDraftModel, feats: torch.Tensor, anchor: int) -> torch.Tensor:
-    """Our slot logits (Bk-1, V) for a block after context features `feats` (T, n*H)."""
-    cache = draft.new_context_cache(1, feats.shape[0] + draft.config.block_size)
-    draft.append_context(cache, feats[None], torch.tensor([feats.shape[0]]))
-    logits, _, _ = draft.draft_forward(cache, torch.tensor([anchor]))
-    return logits[0]
-
-
-def _their_block_logits(model: DFlashDraftModel, hf, feats: torch.Tensor, anchor: int):
-    """The reference's slot logits for the same block, called as its `spec_generate` does."""
-    bk = model.block_size
-    ids = torch.full((1, bk), model.mask_token_id)
-    ids[0, 0] = anchor
-    with torch.no_grad():
-        hidden = model(target_hidden=feats[None], noise_embedding=hf.model.embed_tokens(ids),
-                       position_ids=torch.arange(feats.shape[0] + bk)[None])[:, 1:]
-        return model.compute_logits(hidden, hf.lm_head)[0]
 
 
 # ----------------------------------------------------------------------------- the preset
@@ -200,44 +188,9 @@ def test_reference_client_loads_our_export_and_computes_our_logits(world):
     for prompt in world["prompts"]:
         _, feats = hf_features(hf, prompt, ours.config.target_layer_ids)
         for anchor in (prompt[-1], 42):
-            mine = _our_block_logits(ours, feats, anchor)
-            ref = _their_block_logits(theirs.eval(), hf, feats, anchor)
+            mine = our_block_logits(ours, feats, anchor)
+            ref = reference_block_logits(theirs.eval(), hf, feats, anchor)
             torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
-
-
-def _record_engine_rounds(engine: Engine) -> list[tuple[int, list[int]]]:
-    """(block start, drafted tokens) of every draft call of `engine` (batch of one)."""
-    rounds: list[tuple[int, list[int]]] = []
-    propose = engine.draft.propose
-
-    def recording(cache, anchor_ids, *args, **kwargs):
-        start = int(cache.lengths[0])
-        out = propose(cache, anchor_ids, *args, **kwargs)
-        rounds.append((start, out.tokens[0].tolist()))
-        return out
-
-    engine.draft.propose = recording
-    return rounds
-
-
-def _record_reference_rounds(model: DFlashDraftModel) -> list[tuple[int, int, list[int]]]:
-    """(block start, block length, drafted tokens) of every draft call of the reference."""
-    rounds: list[tuple[int, int, list[int]]] = []
-
-    def hook(module, args, kwargs):
-        size = kwargs["noise_embedding"].shape[1]
-        rounds.append((int(kwargs["position_ids"][0, -size]), size, []))
-
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    compute = model.compute_logits
-
-    def logits(hidden, head):
-        out = compute(hidden, head)
-        rounds[-1][2].extend(out.argmax(-1)[0].tolist())
-        return out
-
-    model.compute_logits = logits
-    return rounds
 
 
 def test_reference_spec_generate_with_our_draft_is_lossless_and_accepts_as_our_engine(world):
@@ -247,28 +200,20 @@ def test_reference_spec_generate_with_our_draft_is_lossless_and_accepts_as_our_e
     compared = accepted = 0
     for prompt, reference in zip(world["prompts"], world["reference"]):
         theirs = DFlashDraftModel.from_pretrained(str(root / "ours_dflash")).eval()
-        ref_rounds = _record_reference_rounds(theirs)
+        ref_rounds = record_reference_rounds(theirs)
         out = theirs.spec_generate(hf, torch.tensor([prompt]), max_new_tokens=NEW,
                                    stop_token_ids=None)
         assert out[0, len(prompt):].tolist() == reference  # the target's greedy output
-        our_rounds = _record_engine_rounds(engine)
+        our_rounds = record_engine_rounds(engine)
         assert engine.generate([prompt], max_new_tokens=NEW, chat=False).token_ids == [reference]
-        # Every full block the reference drafted, our engine drafted at the same position
-        # with the same tokens, so both accept the same tokens. (At the length limit the
-        # reference drafts a shorter block, which bidirectional attention sees differently;
-        # the engine always drafts whole blocks. Those last rounds are not compared.)
-        full = [(start, tokens) for start, size, tokens in ref_rounds if size == theirs.block_size]
-        assert len(full) >= 2
-        assert full == our_rounds[: len(full)]
-        ref_starts, our_starts = [s for s, _, _ in ref_rounds], [s for s, _ in our_rounds]
-        n = min(len(full) + 1, len(ref_starts), len(our_starts))
-        assert ref_starts[:n] == our_starts[:n]  # the same tokens committed in every round
-        sequence = prompt + reference
-        for start, tokens in full:  # accepted drafts: the leading ones the target agrees with
-            agree = [t == sequence[start + 1 + k] for k, t in enumerate(tokens)
-                     if start + 1 + k < len(sequence)]
-            accepted += next((k for k, ok in enumerate(agree) if not ok), len(agree))
-        compared += len(full)
+        # Every full block the reference drafted, our engine drafted at the same position with
+        # the same tokens, and both committed as many tokens after it: the same acceptance.
+        # (At the length limit the reference drafts a shorter block, which bidirectional
+        # attention sees differently; the engine drafts whole blocks. Those are left out.)
+        rounds = compare_rounds(ref_rounds, our_rounds, theirs.block_size, prompt + reference)
+        assert rounds.same and rounds.compared >= 2
+        compared += rounds.compared
+        accepted += rounds.accepted
     print(f"{compared} rounds compared, {accepted} drafted tokens accepted")
     assert accepted > compared  # a trained draft: more than one accepted token per round
 
@@ -298,8 +243,8 @@ def test_draft_made_by_the_reference_class_imports_here(world, tmp_path):
     assert ours.config.target_layer_ids == [0, 2, 4] and ours.config.num_layers == 3
     for prompt in world["prompts"][:2]:
         _, feats = hf_features(hf, prompt, [0, 2, 4])
-        torch.testing.assert_close(_our_block_logits(ours, feats, 42),
-                                   _their_block_logits(theirs, hf, feats, 42),
+        torch.testing.assert_close(our_block_logits(ours, feats, 42),
+                                   reference_block_logits(theirs, hf, feats, 42),
                                    rtol=1e-5, atol=1e-5)
     # our engine serves it (a random draft: lossless, whatever it proposes) ...
     engine = Engine.from_pretrained(root / "target", tmp_path / "ref", max_seq_len=96,
@@ -343,6 +288,6 @@ def test_trainer_exports_a_dflash_run_in_dflash_format(tiny_assets, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_assets["target"]).eval()
     ours = _bound(load_draft(final), hf)
     _, feats = hf_features(hf, [5, 6, 7, 8, 9], ours.config.target_layer_ids)
-    torch.testing.assert_close(_our_block_logits(ours, feats, 11),
-                               _their_block_logits(theirs.eval(), hf, feats, 11),
+    torch.testing.assert_close(our_block_logits(ours, feats, 11),
+                               reference_block_logits(theirs.eval(), hf, feats, 11),
                                rtol=1e-5, atol=1e-5)
