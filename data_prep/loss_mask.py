@@ -67,6 +67,16 @@ def render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generat
                                          **(chat_template_kwargs or {}))
 
 
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's special ids: its named special tokens (``all_special_ids``) and every
+    added token flagged ``special`` (Llama-3's ``<|eot_id|>``, Gemma's ``<end_of_turn>`` are
+    only the latter in some tokenizer files)."""
+    special = set(tokenizer.all_special_ids)
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special.update(int(i) for i, token in decoder.items() if getattr(token, "special", False))
+    return special
+
+
 def end_of_turn_token(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The special token the template puts right after an assistant turn's content."""
     probe = [{"role": "user", "content": "ping"},
@@ -74,7 +84,7 @@ def end_of_turn_token(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | 
     text = render(tokenizer, probe, add_generation_prompt=False,
                   chat_template_kwargs=chat_template_kwargs)
     suffix = text[text.rindex(_PROBE_CONTENT) + len(_PROBE_CONTENT):]
-    special = set(tokenizer.all_special_ids)
+    special = special_token_ids(tokenizer)
     for token_id in tokenizer(suffix, add_special_tokens=False)["input_ids"]:
         if token_id in special:
             return tokenizer.convert_ids_to_tokens(token_id)
