@@ -249,3 +249,38 @@ def test_engine_names_an_unsupported_family(targets, tmp_path):
     with pytest.raises(CheckpointError, match=r"model_type='gemma3_text' is not supported by "
                                               r"the engine \(supported: qwen3, qwen2, llama\)"):
         Engine.from_pretrained(path, tmp_path / "draft", max_seq_len=96)
+
+
+# ---------------------------------------------------------------------------- trainer
+@pytest.mark.slow  # one DeepSpeed run per family through train.py (~20 s each on CPU)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_and_export_on_a_full_vocab_target(targets, family, tmp_path):
+    import json
+
+    from tests._train_helpers import check_ok, run_train, train_losses
+
+    path, model, tok = targets[family]
+    words = torch.tensor(word_ids(family))
+    gen = torch.Generator().manual_seed(0)
+    rows = [words[torch.randint(0, len(words), (40,), generator=gen)].tolist() for _ in range(40)]
+    data = datasets.Dataset.from_dict({
+        "input_ids": rows, "loss_mask": [[0] * 4 + [1] * 36 for _ in rows],
+        "length": [40] * len(rows),
+    })
+    datasets.DatasetDict(train=data.select(range(8, 40)), eval=data.select(range(8))) \
+        .save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    proc = run_train(["recipe=tiny", f"output_dir={out}", f"model.target_path={path}",
+                      "model.tiny_random_target=false", "model.mask_token_id=null",
+                      f"data.train_path={tmp_path / 'data'}", "data.synthetic=false",
+                      "optim.max_steps=4", "eval.every=2", "logging.progress_bar=false"])
+    check_ok(proc)
+    assert len(train_losses(out)) == 4
+    export = out / "final"
+    config = json.loads((export / "config.json").read_text())
+    reserved = special_ids(family)[RESERVED[family]]
+    assert config["mask_token_id"] == reserved and config["target_vocab_size"] == VOCAB
+    assert config["embed_scale"] == pytest.approx(HIDDEN ** 0.5 if family == "gemma" else 1.0)
+    assert config["head_dim"] == 24 and config["target_model_type"] == model.config.model_type
+    draft = DSpineDraftModel.from_pretrained(export)
+    draft.config.validate_for_target(model.config, tok)
