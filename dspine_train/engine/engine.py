@@ -278,6 +278,7 @@ class Engine:
         stats = GenerationStats(mode="speculative" if speculative else "autoregressive")
         stats.num_sequences, stats.prompt_tokens = len(ids), sum(len(p) for p in ids)
         stats.accepted_at = [0] * num_draft
+        stats.round_accepted = [[] for _ in ids]
         sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
         timer = StepTimer(self.device)
         states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
@@ -413,6 +414,7 @@ class Engine:
             stats.committed += num_acc + 1
             for i in range(num_acc):
                 stats.accepted_at[i] += 1
+            stats.round_accepted[b].append(num_acc)
             states[b].extend(row[:keep], ends_with_eos=eos)
             committed[b] += num_acc + 1
             if states[b].done:
