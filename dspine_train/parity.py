@@ -27,6 +27,7 @@ trainer's figure on the dataset rows incomparable) and the trainer's figure on t
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -397,3 +398,33 @@ def load_parity_pair(target: str | Path, draft: str | Path, *, device: str = "cp
     model.bind_target(hf.get_input_embeddings().weight.detach(),
                       hf.get_output_embeddings().weight.detach())
     return engine, DraftStep(model), extractor_features(hf, model.config.target_layer_ids)
+
+
+def parity_from_dataset(target: str | Path, draft: str | Path, data: str | Path, *,
+                        split: str = "eval", limit: int | None = None,
+                        max_new_tokens: int | None = None, num_draft_tokens: int | None = None,
+                        device: str = "cpu", dtype: torch.dtype = torch.float32) -> ParityReport:
+    """The parity check on the first `limit` rows of a tokenised dataset's `split` (the
+    trainer's held-out split by default): prompts and responses as `rows_from_dataset` cuts
+    them, whole responses unless `max_new_tokens` caps them."""
+    from .training.data import load_token_dataset
+
+    dataset = load_token_dataset(str(data), split, "--data")
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    ids = list(dataset["input_ids"])
+    rows = rows_from_dataset(ids, list(dataset["loss_mask"]),
+                             [f"{split}[{i}]" for i in range(len(ids))])
+    if not rows:
+        raise ValueError(f"--data {data} (split {split!r}): no row has a prompt followed by "
+                         "a supervised response")
+    budget = max_new_tokens or max(len(r.response or []) for r in rows)
+    config = Path(draft) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"--draft {draft}: no config.json (not an exported draft directory)")
+    block = int(json.loads(config.read_text()).get("block_size", 16))
+    longest = max(len(r.prompt) for r in rows) + budget + block + 1
+    engine, step, features = load_parity_pair(target, draft, device=device, dtype=dtype,
+                                              max_seq_len=longest)
+    return run_parity(engine, step, features, rows, max_new_tokens=max_new_tokens,
+                      num_draft_tokens=num_draft_tokens)

@@ -123,3 +123,59 @@ def test_rows_from_dataset_take_the_prompt_and_first_response():
                              ["a", "b"])
     assert [(r.row_id, r.prompt, r.response) for r in rows] == [("a", [5, 6], [7, 8])]
     assert valid_anchors([0, 1, 1, 1, 0, 1]) == [1, 2]
+
+
+def _dataset(world, path):
+    """The rows as a tokenised DatasetDict (prompt unsupervised, response supervised)."""
+    import datasets
+
+    rows = world["rows"]
+    ids = [r.prompt + r.response for r in rows]
+    masks = [[0] * len(r.prompt) + [1] * len(r.response) for r in rows]
+    split = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks,
+                                        "length": [len(x) for x in ids]})
+    datasets.DatasetDict(train=split, eval=split).save_to_disk(str(path))
+    return path
+
+
+def test_eval_acceptance_parity_mode_on_the_eval_split(world, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    data = _dataset(world, tmp_path / "data")
+    root = world["root"]
+    proc = subprocess.run(
+        [sys.executable, str(repo / "scripts" / "eval_acceptance.py"), "--parity",
+         "--target", str(root / "target"), "--draft", str(root / "draft"), "--data", str(data),
+         "--limit", "4", "--device", "cpu", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, cwd=repo,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "paired difference" in proc.stdout and "simulated, engine's walk" in proc.stdout
+    report = json.loads((tmp_path / "out" / "parity.json").read_text())
+    assert len(report["rows"]) == 4 and report["mismatched_rounds"] == 0
+    assert all(r["reproduces_row"] for r in report["rows"])
+    assert report["engine"]["blocks"] == report["simulated_same_anchors"]["blocks"] > 0
+    assert len(report["engine"]["per_position"]) == 7  # block 8: g = 7 drafts verified
+
+
+def test_eval_acceptance_parity_mode_needs_data(world, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "eval_acceptance.py"
+    spec = importlib.util.spec_from_file_location("eval_acceptance", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    root = world["root"]
+    base = ["--parity", "--target", str(root / "target"), "--draft", str(root / "draft"),
+            "--out", str(tmp_path / "out")]
+    assert script.main(base) == 1
+    assert "--parity needs --data" in capsys.readouterr().err
+    assert script.main([*base, "--data", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing" in err[0]
+    assert not (tmp_path / "out").exists()
