@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,13 @@ from dspine_train.engine.acceptance import (
 )
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.errors import GenerationInputError
-from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
+from dspine_train.engine.prompts import (
+    KWARGS_KEY,
+    Prompts,
+    SequenceState,
+    encode_prompts,
+    template_mismatch,
+)
 from dspine_train.engine.sampling import next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
 from dspine_train.engine.target_model import TargetModel
@@ -84,6 +91,7 @@ class Engine:
         strict_graphs: bool = False,
         kv_bucket_size: int = 256,
         compile_backend: str = "inductor",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if kv_bucket_size < 1:
             raise GenerationInputError(f"kv_bucket_size must be >= 1, got {kv_bucket_size}")
@@ -99,8 +107,17 @@ class Engine:
         self.block_size = 1
         self.draft_cache: Any | None = None
         self._draft_caches: dict[int, Any] = {}
+        # Text prompts render as the draft's training rows did (e.g. Qwen3's enable_thinking),
+        # unless the caller says otherwise; a different template is warned about.
+        recorded = getattr(draft.config, KWARGS_KEY, None) if draft is not None else None
+        self.chat_template_kwargs = dict(
+            chat_template_kwargs if chat_template_kwargs is not None else recorded or {}
+        )
         if draft is not None:
             check_draft_fits_target(draft.config, target, tokenizer)
+            mismatch = template_mismatch(draft.config, tokenizer, self.chat_template_kwargs)
+            if mismatch:
+                warnings.warn(mismatch, stacklevel=2)
             self.block_size = int(draft.config.block_size)
             draft.to(device=self.device, dtype=target.dtype).eval()
             draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
@@ -271,7 +288,8 @@ class Engine:
         seed: int,
     ) -> GenerationResult:
         ids = encode_prompts(
-            prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size
+            prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
         self._check_request(ids, max_new_tokens, temperature, top_p, stop, num_draft)
         speculative = num_draft > 0

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,58 @@ from dspine_train.engine.errors import GenerationInputError
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 
 
+# Config keys of an exported draft recording the chat template its training rows were
+# rendered with (`chat_template_record`); the engine renders prompts with the same kwargs and
+# warns when its tokenizer's template has another fingerprint.
+FINGERPRINT_KEY = "chat_template_fingerprint"
+KWARGS_KEY = "chat_template_kwargs"
+
+
+def chat_template_fingerprint(tokenizer: Any) -> str | None:
+    """Short sha256 of the tokenizer's chat template text (None without a template)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return None
+    if not isinstance(template, str):  # a dict of named templates
+        template = json.dumps(template, sort_keys=True)
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()[:16]
+
+
+def chat_template_record(tokenizer: Any, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What an export records about the chat template of its training rows: the template's
+    fingerprint and the kwargs (e.g. `enable_thinking`) the rows were rendered with."""
+    return {FINGERPRINT_KEY: chat_template_fingerprint(tokenizer), KWARGS_KEY: dict(kwargs or {})}
+
+
+def template_mismatch(draft_config: Any, tokenizer: Any, kwargs: Mapping[str, Any]) -> str | None:
+    """Why serving with `tokenizer` and `kwargs` renders prompts unlike the draft's training
+    rows, or None (also when the draft records nothing)."""
+    recorded = getattr(draft_config, FINGERPRINT_KEY, None)
+    problems = []
+    current = chat_template_fingerprint(tokenizer)
+    if recorded is not None and tokenizer is not None and current != recorded:
+        problems.append(f"the tokenizer's chat template has fingerprint {current}, the draft "
+                        f"was trained on rows rendered with {recorded}")
+    trained_kwargs = getattr(draft_config, KWARGS_KEY, None)
+    if trained_kwargs is not None and dict(trained_kwargs) != dict(kwargs):
+        problems.append(f"prompts are rendered with chat_template_kwargs {dict(kwargs)}, the "
+                        f"training rows with {dict(trained_kwargs)}")
+    if not problems:
+        return None
+    return ("serving with another chat template than the draft was trained on ("
+            + "; ".join(problems) + "): acceptance will be lower than in training")
+
+
 def encode_prompts(
-    prompts: Prompts, tokenizer: Any | None, *, chat: bool, vocab_size: int
+    prompts: Prompts,
+    tokenizer: Any | None,
+    *,
+    chat: bool,
+    vocab_size: int,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
-    """Token ids of every prompt; text goes through the chat template when `chat` is set.
+    """Token ids of every prompt; text goes through the chat template when `chat` is set,
+    rendered with `chat_template_kwargs` (e.g. `enable_thinking`, as the training rows were).
 
     Prompts given as lists of ids are used as they are. Raises `GenerationInputError` for an
     empty batch, an empty prompt, text without a tokenizer, chat without a chat template, or ids
@@ -28,7 +77,8 @@ def encode_prompts(
     encoded: list[list[int]] = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            ids = _encode_text(prompt, tokenizer, chat=chat, index=index)
+            ids = _encode_text(prompt, tokenizer, chat=chat, index=index,
+                               kwargs=chat_template_kwargs or {})
         else:
             ids = [int(i) for i in prompt]
         if not ids:
@@ -42,7 +92,9 @@ def encode_prompts(
     return encoded
 
 
-def _encode_text(text: str, tokenizer: Any | None, *, chat: bool, index: int) -> list[int]:
+def _encode_text(
+    text: str, tokenizer: Any | None, *, chat: bool, index: int, kwargs: Mapping[str, Any]
+) -> list[int]:
     if tokenizer is None:
         raise GenerationInputError(
             f"prompt {index} is text but the engine has no tokenizer; pass token ids or a tokenizer"
@@ -58,7 +110,8 @@ def _encode_text(text: str, tokenizer: Any | None, *, chat: bool, index: int) ->
         if not text.strip():
             raise GenerationInputError(f"prompt {index} is empty")
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
+            **kwargs,
         )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(text)["input_ids"])
