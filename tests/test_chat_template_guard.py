@@ -97,3 +97,25 @@ def test_engine_warns_when_serving_with_another_template(qwen3_world):
     with pytest.warns(UserWarning, match="enable_thinking"):
         Engine.from_pretrained(root / "target", root / "draft", max_seq_len=96, eos_token_ids=[],
                                chat_template_kwargs={"enable_thinking": True})
+
+
+def test_engine_cli_takes_chat_template_kwargs(qwen3_world, tmp_path):
+    import argparse
+
+    from dspine_train.engine.cli import add_engine_arguments, build_engine, engine_argument_problem
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    root = qwen3_world["root"]
+    base = ["--target", str(root / "target"), "--draft", str(root / "draft"),
+            "--prompts", str(tmp_path / "p.txt"), "--device", "cpu", "--max-seq-len", "96"]
+    bad = parser.parse_args([*base, "--chat-template-kwargs", "enable_thinking"])
+    assert "--chat-template-kwargs is not JSON" in engine_argument_problem(bad)
+    listed = parser.parse_args([*base, "--chat-template-kwargs", "[1]"])
+    assert "must be a JSON object" in engine_argument_problem(listed)
+    recorded = build_engine(parser.parse_args(base))
+    assert recorded.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.warns(UserWarning, match="enable_thinking"):
+        chosen = build_engine(parser.parse_args(
+            [*base, "--chat-template-kwargs", '{"enable_thinking": true}']))
+    assert chosen.chat_template_kwargs == {"enable_thinking": True}
