@@ -18,8 +18,9 @@ from _data_helpers import QWEN3_TEMPLATE, QWEN25_TEMPLATE, word_level_tokenizer
 from _engine_helpers import build_tiny_target, tiny_draft
 
 from data_prep.loss_mask import end_of_turn_token, tokenize_conversation
+from dspine_train.chat_template import chat_template_record
 from dspine_train.engine import Engine
-from dspine_train.engine.prompts import chat_template_record, encode_prompts
+from dspine_train.engine.prompts import encode_prompts
 from dspine_train.eval_harness import encode_messages
 from dspine_train.training.tiny_assets import CHAT_TEMPLATE as TINY_TEMPLATE
 
@@ -119,3 +120,39 @@ def test_engine_cli_takes_chat_template_kwargs(qwen3_world, tmp_path):
         chosen = build_engine(parser.parse_args(
             [*base, "--chat-template-kwargs", '{"enable_thinking": true}']))
     assert chosen.chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_the_training_rows_template_travels_with_the_export(qwen3_world, tmp_path):
+    """tokenize report -> trainer's draft config -> export -> the engine renders the same."""
+    from _data_helpers import chat_row, write_jsonl
+    from _train_helpers import REPO
+    from hydra import compose, initialize_config_dir
+
+    from data_prep.tokenize import tokenize_files
+    from dspine_train.chat_template import chat_template_fingerprint
+    from dspine_train.modeling import DSpineDraftModel
+    from dspine_train.training.config import register_configs, to_train_config
+    from dspine_train.training.inputs import check_inputs
+
+    root, tokenizer = qwen3_world["root"], qwen3_world["tokenizer"]
+    rows = write_jsonl(tmp_path / "rows.jsonl",
+                       [chat_row(f"r{i}", QUESTION, ANSWER) for i in range(4)])
+    thinking_off = {"enable_thinking": False}
+    report = tokenize_files([rows], tokenizer, tmp_path / "data", eval_fraction=0,
+                            chat_template_kwargs=thinking_off)
+    assert report["settings"]["chat_template_fingerprint"] == chat_template_fingerprint(tokenizer)
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        config = to_train_config(compose("config", overrides=[
+            "recipe=tiny", f"model.target_path={root / 'target'}",
+            "model.tiny_random_target=false", "data.synthetic=false",
+            f"data.train_path={tmp_path / 'data'}", f"model.mask_token_id={len(tokenizer)}"]))
+    draft_config = check_inputs(config).draft_config
+    assert draft_config.chat_template_kwargs == thinking_off
+    assert draft_config.chat_template_fingerprint == chat_template_fingerprint(tokenizer)
+    DSpineDraftModel(draft_config).save_pretrained(tmp_path / "export")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = Engine.from_pretrained(root / "target", tmp_path / "export", max_seq_len=96,
+                                        eos_token_ids=[])
+    assert engine.chat_template_kwargs == thinking_off

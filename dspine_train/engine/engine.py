@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dspine_train.chat_template import KWARGS_KEY, template_mismatch
 from dspine_train.engine.acceptance import (
     Acceptance,
     clip_at_eos,
@@ -33,13 +34,7 @@ from dspine_train.engine.acceptance import (
 )
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.errors import GenerationInputError
-from dspine_train.engine.prompts import (
-    KWARGS_KEY,
-    Prompts,
-    SequenceState,
-    encode_prompts,
-    template_mismatch,
-)
+from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
 from dspine_train.engine.sampling import next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
 from dspine_train.engine.target_model import TargetModel

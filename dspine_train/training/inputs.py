@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import datasets
 from transformers import PretrainedConfig
 
+from ..chat_template import recorded_in_dataset
 from ..modeling import DSpineConfig
 from .config import TrainConfig
 from .data import load_token_dataset, split_names
@@ -50,6 +51,10 @@ def check_inputs(config: TrainConfig) -> RunInputs:
     target_config = load_target_config(m.target_path, m.trust_remote_code)
     used = used_vocab_size(m.target_path, target_config.vocab_size, m.used_vocab_size)
     draft_config = draft_config_for(m, target_config, used)
+    # How the training rows were rendered travels with the export: the engine renders prompts
+    # the same way and warns when serving with another template (`dspine_train.chat_template`).
+    for key, value in (recorded_in_dataset(d.train_path) or {}).items():
+        setattr(draft_config, key, value)
     depth = target_config.num_hidden_layers
     bad = [i for i in draft_config.target_layer_ids if not 0 <= i < depth - 1]
     if bad:
