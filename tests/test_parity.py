@@ -47,14 +47,15 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """Target, a briefly trained draft (saved), and 6 held-out greedy rows."""
+    """Target, a draft trained briefly on 8 of the prompts' greedy continuations (saved), and
+    the greedy rows of all 12 prompts (4 held out)."""
     root = tmp_path_factory.mktemp("parity")
     hf = build_tiny_target(root / "target", "qwen3", head_scale=4.0, num_hidden_layers=6,
                            eos_token_id=None)
     build_tokenizer(root / "target", vocab_size=200)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 200, (n,), generator=gen).tolist()
-               for n in torch.randint(2, 11, (14,), generator=gen).tolist()]
+               for n in torch.randint(2, 11, (12,), generator=gen).tolist()]
     train = torch.tensor([p + hf_greedy(hf, p, 40 - len(p)) for p in prompts[:8]])
     draft = train_draft_briefly(tiny_draft(hf, 200), hf, train, steps=80, lr=1e-2)
     draft.save_pretrained(root / "draft")
@@ -138,31 +139,8 @@ def _dataset(world, path):
     return path
 
 
-def test_eval_acceptance_parity_mode_on_the_eval_split(world, tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    data = _dataset(world, tmp_path / "data")
-    root = world["root"]
-    proc = subprocess.run(
-        [sys.executable, str(repo / "scripts" / "eval_acceptance.py"), "--parity",
-         "--target", str(root / "target"), "--draft", str(root / "draft"), "--data", str(data),
-         "--limit", "4", "--device", "cpu", "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300, cwd=repo,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "paired difference" in proc.stdout and "simulated, engine's walk" in proc.stdout
-    report = json.loads((tmp_path / "out" / "parity.json").read_text())
-    assert len(report["rows"]) == 4 and report["mismatched_rounds"] == 0
-    assert all(r["reproduces_row"] for r in report["rows"])
-    assert report["engine"]["blocks"] == report["simulated_same_anchors"]["blocks"] > 0
-    assert len(report["engine"]["per_position"]) == 7  # block 8: g = 7 drafts verified
-
-
-def test_eval_acceptance_parity_mode_needs_data(world, tmp_path, capsys):
+def _script():
+    """`scripts/eval_acceptance.py` as a module (its `main(argv)` returns the exit status)."""
     import importlib.util
     from pathlib import Path
 
@@ -170,6 +148,30 @@ def test_eval_acceptance_parity_mode_needs_data(world, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("eval_acceptance", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_eval_acceptance_parity_mode_on_the_eval_split(world, tmp_path, capsys):
+    import json
+
+    data = _dataset(world, tmp_path / "data")
+    root = world["root"]
+    status = _script().main([
+        "--parity", "--target", str(root / "target"), "--draft", str(root / "draft"),
+        "--data", str(data), "--limit", "4", "--device", "cpu", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr()
+    assert status == 0, printed.err[-3000:]
+    assert "paired difference" in printed.out and "simulated, engine's walk" in printed.out
+    report = json.loads((tmp_path / "out" / "parity.json").read_text())
+    assert len(report["rows"]) == 4 and report["mismatched_rounds"] == 0
+    assert all(r["reproduces_row"] for r in report["rows"])
+    assert report["engine"]["blocks"] == report["simulated_same_anchors"]["blocks"] > 0
+    assert len(report["engine"]["per_position"]) == 7  # block 8: g = 7 drafts verified
+    assert (tmp_path / "out" / "parity.md").read_text().startswith("#### Parity")
+
+
+def test_eval_acceptance_parity_mode_needs_data(world, tmp_path, capsys):
+    script = _script()
     root = world["root"]
     base = ["--parity", "--target", str(root / "target"), "--draft", str(root / "draft"),
             "--out", str(tmp_path / "out")]
