@@ -140,18 +140,26 @@ def valid_anchors(loss_mask: Sequence[int]) -> list[int]:
 
 @torch.no_grad()
 def simulated_accepted(step: DraftStep, features: FeatureFn, input_ids: Sequence[int],
-                       loss_mask: Sequence[int], anchors: Sequence[int]) -> list[int]:
-    """Drafts the trainer's simulated evaluation accepts at each anchor of one row."""
+                       loss_mask: Sequence[int], anchors: Sequence[int],
+                       anchors_per_forward: int = 64) -> list[int]:
+    """Drafts the trainer's simulated evaluation accepts at each anchor of one row.
+
+    The target runs once; the draft's training forward takes `anchors_per_forward` blocks at a
+    time (the dense CPU attention mask grows with blocks x row length).
+    """
     if not anchors:
         return []
     device = step.draft.fc.weight.device
     ids = torch.tensor([list(input_ids)], device=device)
     mask = torch.tensor([list(loss_mask)], device=device)
     feats = features(ids)
-    anchor_t = torch.tensor([list(anchors)], device=device)
-    prefix = step.accepted_prefixes(ids, feats.context, feats.final_hidden, mask, anchor_t,
-                                    torch.ones_like(anchor_t, dtype=torch.bool))
-    return prefix.sum(-1).long().tolist()
+    counts: list[int] = []
+    for start in range(0, len(anchors), anchors_per_forward):
+        anchor_t = torch.tensor([list(anchors[start:start + anchors_per_forward])], device=device)
+        prefix = step.accepted_prefixes(ids, feats.context, feats.final_hidden, mask, anchor_t,
+                                        torch.ones_like(anchor_t, dtype=torch.bool))
+        counts += prefix.sum(-1).long().tolist()
+    return counts
 
 
 def extractor_features(hf_target: torch.nn.Module, layer_ids: Sequence[int]) -> FeatureFn:

@@ -181,3 +181,16 @@ def test_eval_acceptance_parity_mode_needs_data(world, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_simulated_counts_do_not_depend_on_how_anchors_are_grouped(world):
+    from dspine_train.parity import simulated_accepted
+
+    _, step, features = _pair(world)
+    row = world["rows"][0]
+    seq = row.prompt + row.response
+    mask = [0] * len(row.prompt) + [1] * len(row.response)
+    anchors = valid_anchors(mask)
+    together = simulated_accepted(step, features, seq, mask, anchors)
+    assert simulated_accepted(step, features, seq, mask, anchors, anchors_per_forward=5) == together
+    assert len(together) == len(anchors) and max(together) > 0
