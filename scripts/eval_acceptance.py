@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bench", default="humaneval,sharegpt",
                         help="comma-separated: humaneval, sharegpt, or JSONL paths")
     parser.add_argument("--temperatures", type=_floats, default=[0.0, 1.0])
-    parser.add_argument("--limit", type=int, default=8, help="prompts per benchmark")
+    parser.add_argument("--limit", type=int, default=8,
+                        help="prompts per benchmark (--parity: rows of the split)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="new tokens per prompt (default 64; --parity: whole responses)")
     parser.add_argument("--num-draft-tokens", type=int, default=None,
