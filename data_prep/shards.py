@@ -1,17 +1,17 @@
 """Atomic outputs: JSONL shards (the regeneration output and its resume state) and files.
 
-A shard is written to ``part-NNNNN.jsonl.tmp``, flushed to disk and renamed to
-``part-NNNNN.jsonl``; a rename is atomic, so a shard either exists complete or not at all,
-whatever kills the process.  The ids in the complete shards are the finished rows: a rerun
-skips them (no duplicates) and redoes everything else (no losses).  Left-over ``.tmp`` files
-are from a killed write and are deleted on start.
+A shard is written to a hidden ``.part-NNNNN.jsonl.XXXX.tmp``, flushed to disk and renamed to
+``part-NNNNN.jsonl`` (:func:`dspine_train.checkpoint_io.write_text_atomic`); a rename is
+atomic, so a shard either exists complete or not at all, whatever kills the process.  The
+ids in the complete shards are the finished rows: a rerun skips them (no duplicates) and
+redoes everything else (no losses).  Left-over ``.tmp`` files are from a killed write and are
+deleted on start.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
-import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.schema import DataError
+from dspine_train.checkpoint_io import write_text_atomic
 
 SHARD_PREFIX = "part-"
 SHARD_SUFFIX = ".jsonl"
@@ -36,7 +37,10 @@ def shard_paths(output_dir: str | Path) -> list[Path]:
 
 def remove_partial_shards(output_dir: str | Path) -> int:
     """Delete ``.tmp`` shards a killed run left behind; return how many."""
-    partial = list(Path(output_dir).glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}.tmp"))
+    directory = Path(output_dir)
+    # the names of write_text_atomic, and of the versions before it (part-NNNNN.jsonl.tmp)
+    partial = (list(directory.glob(f".{SHARD_PREFIX}*{SHARD_SUFFIX}.*.tmp"))
+               + list(directory.glob(f"{SHARD_PREFIX}*{SHARD_SUFFIX}.tmp")))
     for path in partial:
         path.unlink()
     return len(partial)
@@ -78,20 +82,6 @@ def exclusive_lock(output_dir: str | Path) -> Iterator[None]:
         yield
     finally:
         handle.close()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file, fsync and rename."""
-    temporary = path.with_name(path.name + ".tmp")
-    try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except OSError:
-        temporary.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
-        raise
 
 
 @dataclass(frozen=True)
@@ -146,5 +136,5 @@ class ShardWriter:
             return
         path = self.output_dir / f"{SHARD_PREFIX}{state.next_index:05d}{SHARD_SUFFIX}"
         if not path.exists():
-            write_atomic(path, "\n".join(state.buffer) + "\n")
+            write_text_atomic(path, "\n".join(state.buffer) + "\n")
         self._state = _WriterState(state.next_index + 1, state.rows_written + len(state.buffer), [])

@@ -48,13 +48,8 @@ from data_prep.schema import DataError, SkippedRow
 from data_prep.shards import shard_paths
 from data_prep.sources import is_heldout
 from dspine_train.chat_template import chat_template_fingerprint
-from dspine_train.owned_dir import (
-    build_dir,
-    check_replaceable,
-    clean_dead_builds,
-    replace_dir,
-    write_marker,
-)
+from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from dspine_train.owned_dir import check_replaceable, write_marker
 
 COLUMNS = ("input_ids", "loss_mask", "length")
 REPORT_FILE = "tokenize_report.json"

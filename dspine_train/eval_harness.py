@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dspine_train.checkpoint_io import write_atomic, write_text_atomic
 from dspine_train.engine.stats import sum_stats
 
 RESULTS_FORMAT = "dspine-eval-results/1"
@@ -306,7 +305,7 @@ def plot_results(results: dict[str, list[BenchResult]], path: str | Path) -> Non
     curves.set_title(f"per-position acceptance, T={coldest:g}")
     curves.legend(fontsize=7)
     fig.tight_layout()
-    _write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 
@@ -316,7 +315,7 @@ def save_results(results: dict[str, list[BenchResult]], path: str | Path, *,
     payload = {"format": RESULTS_FORMAT, "metadata": metadata or {},
                "results": {name: [asdict(r) for r in rows] for name, rows in results.items()}}
     text = json.dumps(payload, indent=1, default=str) + "\n"
-    _write_atomic(Path(path), lambda tmp: Path(tmp).write_text(text))
+    write_text_atomic(path, text)
 
 
 def load_results(path: str | Path) -> dict[str, list[BenchResult]]:
@@ -327,16 +326,3 @@ def load_results(path: str | Path) -> dict[str, list[BenchResult]]:
     known = {f.name for f in fields(BenchResult)}
     return {name: [BenchResult(**{k: v for k, v in row.items() if k in known}) for row in rows]
             for name, rows in payload["results"].items()}
-
-
-def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
-    """Write through a temporary sibling and rename, so ``path`` is never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

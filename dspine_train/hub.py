@@ -16,7 +16,10 @@ An export directory (written by the trainer's export step) holds:
 
 The model card reports only what these files say; a missing measurement is written as
 "not measured", never estimated. Local absolute paths (a target or data file on this machine)
-appear in the card by their last component only.
+appear in the card by their last component only. Uploaded JSON files carry none either
+(`public_json_files`): config.json's `target_name_or_path` is uploaded as the target's Hub id
+(given, or the recorded one when it is one; a local one without a given id is refused), other
+local paths by their last component. The export itself is left as it is (the engine reads it).
 
 Every HTTP request of the upload gives up after `timeout` seconds without progress (the Hub
 client's own default is to wait forever), so an endpoint that never answers fails with a
@@ -29,7 +32,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,8 @@ from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData,
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from huggingface_hub.utils._http import default_client_factory
-from safetensors import SafetensorError, safe_open
+
+from dspine_train.checkpoint_io import SafetensorsWeights, WeightsError, write_text_atomic
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -104,38 +107,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _weight_files(export_dir: Path) -> list[str]:
-    """The safetensors files of the export: the single file, or the shards of the index."""
-    if (export_dir / WEIGHTS_FILE).is_file():
-        return [WEIGHTS_FILE]
-    if not (export_dir / WEIGHTS_INDEX_FILE).is_file():
-        raise ExportError(f"{export_dir / WEIGHTS_FILE}: missing (no {WEIGHTS_INDEX_FILE} either)")
-    index_path = export_dir / WEIGHTS_INDEX_FILE
-    weight_map = _read_json(index_path).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ExportError(f"{index_path}: no 'weight_map' entries")
-    for key, name in weight_map.items():
-        # A shard is a plain file name next to the index: never a path out of the export.
-        if not isinstance(name, str) or not name or Path(name).name != name or name[0] == ".":
-            raise ExportError(
-                f"{index_path}: weight_map[{key!r}] = {name!r} is not a shard file name "
-                "in the export directory"
-            )
-    return sorted(set(weight_map.values()))
-
-
-def _count_tensors(path: Path) -> tuple[int, int]:
-    """(tensors, elements) of a safetensors file, reading only its header."""
-    if not path.is_file():
-        raise ExportError(f"{path}: missing")
+def _weights(export_dir: Path) -> tuple[list[str], int, int]:
+    """(file names, tensors, elements) of the export's safetensors weights, headers only:
+    the single file, or the shards of the index."""
     try:
-        with safe_open(str(path), framework="numpy") as handle:
-            shapes = [handle.get_slice(name).get_shape() for name in handle.keys()]
-    except (SafetensorError, OSError) as err:
-        raise ExportError(f"{path}: not a readable safetensors file ({err})") from None
-    if not shapes:
-        raise ExportError(f"{path}: holds no tensors")
-    return len(shapes), sum(math.prod(shape) for shape in shapes)
+        with SafetensorsWeights(export_dir, framework="numpy") as weights:
+            num_tensors = num_values = 0
+            for file in weights.files:
+                shapes = weights.file_shapes(file)
+                if not shapes:
+                    raise ExportError(f"{file}: holds no tensors")
+                num_tensors += len(shapes)
+                num_values += sum(math.prod(shape) for shape in shapes.values())
+            return [file.name for file in weights.files], num_tensors, num_values
+    except WeightsError as err:
+        raise ExportError(str(err)) from None
 
 
 def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
@@ -153,12 +139,7 @@ def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
         raise ExportError(
             f"{config_path}: model_type is {config.get('model_type')!r}, expected 'dspine'"
         )
-    weight_files = _weight_files(path)
-    num_tensors = num_values = 0
-    for name in weight_files:
-        tensors, values = _count_tensors(path / name)
-        num_tensors += tensors
-        num_values += values
+    weight_files, num_tensors, num_values = _weights(path)
 
     eval_path = path / EVAL_RESULTS_FILE
     eval_results = _read_json(eval_path) if eval_path.is_file() else None
@@ -189,6 +170,73 @@ def upload_files(export_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
         if item.is_file() and not any(part.startswith(".") for part in relative.parts):
             files[relative.as_posix()] = item.stat().st_size
     return sorted(files.items())
+
+
+# --------------------------------------------------------------------------- public JSON
+TARGET_KEY = "target_name_or_path"
+
+
+def upload_target_id(config: dict[str, Any], config_path: Path, target_id: str | None) -> str | None:
+    """The target's id as uploaded: `target_id` when given, else config.json's
+    `target_name_or_path` when it is a Hub id (None when none is recorded).
+
+    `ExportError` naming the key when the recorded value is a local path and no id is given.
+    """
+    if target_id is not None:
+        if hub_base_model(target_id) is None:
+            raise ExportError(f"target id {target_id!r}: not a Hub model id (ORG/NAME)")
+        return target_id
+    recorded = config.get(TARGET_KEY)
+    if recorded is None or (isinstance(recorded, str) and hub_base_model(recorded) is not None):
+        return recorded
+    raise ExportError(
+        f"{config_path}: {TARGET_KEY} {recorded!r} is a local path, which is never uploaded; "
+        "give the target's Hub id with --target-id ORG/NAME"
+    )
+
+
+def public_json_files(export_dir: str | os.PathLike[str], target_id: str | None) -> dict[str, bytes]:
+    """What to upload instead of the export's JSON files that would carry a local path.
+
+    In every uploaded `*.json`: config.json's `target_name_or_path`, and any value equal to its
+    recorded local path (training_info.json's target), become `upload_target_id`; any other
+    string that is a local absolute path becomes its last component, as in the card. Returns
+    {relative path: cleaned JSON bytes} for the files that change (the others are uploaded as
+    they are); the export is not modified. `ExportError` names a JSON file that cannot be read
+    or a target that has no Hub id.
+    """
+    root = Path(export_dir)
+    config_path = root / CONFIG_FILE
+    config = _read_json(config_path)
+    target = upload_target_id(config, config_path, target_id)
+    recorded = config.get(TARGET_KEY)
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: clean(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [clean(item) for item in value]
+        if isinstance(value, str) and value == recorded and target is not None:
+            return target
+        if isinstance(value, str) and _LOCAL_PATH.fullmatch(value):
+            return value.rstrip("/").rsplit("/", 1)[-1]
+        return value
+
+    out = {}
+    for name, _ in upload_files(root):
+        if not name.endswith(".json"):
+            continue
+        try:
+            data = json.loads((root / name).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ExportError(f"{root / name}: not valid JSON, so it cannot be checked for "
+                              f"local paths ({err})") from None
+        cleaned = clean(data)
+        if name == CONFIG_FILE and target is not None:
+            cleaned[TARGET_KEY] = target
+        if cleaned != data:
+            out[name] = (json.dumps(cleaned, indent=2) + "\n").encode("utf-8")
+    return out
 
 
 # --------------------------------------------------------------------------- model card
@@ -368,16 +416,7 @@ def render_model_card(
 def write_card(export_dir: str | os.PathLike[str], card: str) -> Path:
     """Write `card` as README.md of the export, atomically (no half-written card on failure)."""
     target = Path(export_dir) / CARD_FILE
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=".README.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(card)
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only; a card is meant to be read
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return target
+    return write_text_atomic(target, card)
 
 
 def set_request_timeout(seconds: float) -> None:
@@ -409,15 +448,18 @@ def push_export(
     endpoint: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     api_factory: Callable[..., HfApi] | None = None,
+    target_id: str | None = None,
 ) -> str:
     """Create the repo if needed, write the card into the export and upload its files.
 
     `private` applies when the repository is created (an existing one keeps its visibility).
-    The files uploaded are exactly `upload_files(export_dir)` (no dotfiles). `endpoint`
+    The files uploaded are exactly `upload_files(export_dir)` (no dotfiles), JSON files as
+    `public_json_files(export_dir, target_id)` cleans them (checked before any request). `endpoint`
     defaults to $HF_ENDPOINT / huggingface.co; each request gives up after `timeout` seconds
     without progress and raises `HubError`. `api_factory` builds the Hub client (default
     `HfApi(token=..., endpoint=...)`); tests pass a fake. Returns the URL of the commit.
     """
+    public = public_json_files(export_dir, target_id)
     set_request_timeout(timeout)
     api = (api_factory or HfApi)(token=token, endpoint=endpoint)
     where = endpoint or getattr(api, "endpoint", None) or "the Hub"
@@ -426,7 +468,8 @@ def push_export(
         write_card(export_dir, card)
         root = Path(export_dir)
         operations = [
-            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name))
+            CommitOperationAdd(path_in_repo=name,
+                               path_or_fileobj=public.get(name) or str(root / name))
             for name, _ in upload_files(root)
         ]
         commit = api.create_commit(

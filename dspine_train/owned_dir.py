@@ -1,4 +1,4 @@
-"""Output directories a tool owns: marker file, overlap refusal, atomic replacement, cleanup.
+"""Output directories a tool owns: the marker file and the refusal of foreign or overlapping paths.
 
 A tool that replaces its output directory wholesale (``data_prep.tokenize``, the feature cache)
 must never delete what it did not write.  The rules:
@@ -7,18 +7,13 @@ must never delete what it did not write.  The rules:
 * before writing, :func:`check_replaceable` refuses a destination that is a file, or a
   non-empty directory without the marker, or one that overlaps an input (equal to it, inside
   it, or containing it) -- with a one-line :class:`OwnedDirError` naming the config key;
-* the new output is built in a hidden sibling ``.NAME.tmp-PID-XXXX`` (:func:`build_dir`) and
-  swapped in by :func:`replace_dir`; builds and swapped-out copies left by a killed run are
-  removed by :func:`clean_dead_builds` (a swapped-out copy whose replacement never arrived is
-  put back instead).
+* the new output is built and swapped in with :mod:`dspine_train.checkpoint_io`
+  (``build_dir``, ``replace_dir``: no moment without a whole output) and builds left by a
+  killed run are removed by its ``clean_dead_builds``.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -70,63 +65,3 @@ def check_replaceable(destination: Path, key: str, marker: str, tool: str,
         f"{key}: {destination} is not empty and was not written by {tool} (no {marker} "
         f"marker; it holds e.g. {sorted(entries)[0]!r}); refusing to replace it -- choose "
         f"another directory, or remove this one yourself")
-
-
-def build_dir(destination: Path) -> Path:
-    """A fresh hidden sibling of ``destination`` to build the new output in."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-{os.getpid()}-",
-                                 dir=destination.parent))
-
-
-def replace_dir(source: Path, destination: Path) -> None:
-    """Move the finished directory ``source`` to ``destination``, replacing an old one.
-
-    The old directory is renamed aside first, so ``destination`` is at every moment either
-    the complete old output or the complete new one (a kill in between leaves the old one
-    aside, and :func:`clean_dead_builds` puts it back).
-    """
-    stale = destination.parent / f".{destination.name}.old-{os.getpid()}"
-    if destination.exists() or destination.is_symlink():
-        destination.rename(stale)
-    source.rename(destination)
-    if stale.is_dir() and not stale.is_symlink():
-        shutil.rmtree(stale, ignore_errors=True)
-    elif stale.exists() or stale.is_symlink():
-        stale.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-def clean_dead_builds(destination: Path) -> list[Path]:
-    """Remove the build and swapped-out siblings of ``destination`` whose process is dead.
-
-    Returns what was removed.  A swapped-out copy (``.NAME.old-PID``) is renamed back when
-    ``destination`` is missing: the run died between the two renames of :func:`replace_dir`.
-    """
-    parent = destination.parent
-    if not parent.is_dir():
-        return []
-    pattern = re.compile(rf"\.{re.escape(destination.name)}\.(tmp|old)-(\d+)(-.*)?")
-    removed = []
-    for entry in sorted(parent.iterdir()):
-        match = pattern.fullmatch(entry.name)
-        if match is None or int(match.group(2)) == os.getpid() or _alive(int(match.group(2))):
-            continue
-        if match.group(1) == "old" and not destination.exists():
-            entry.rename(destination)
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink()
-        removed.append(entry)
-    return removed

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from threadpoolctl import threadpool_limits
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from dspine_train.checkpoint_io import SafetensorsWeights, write_atomic
 from dspine_train.writable import output_problem
 
 FORMAT_NAME = "dspine-token-table"
@@ -90,18 +90,8 @@ class TokenTable:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the table to one safetensors file, atomically (temp file + rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in TENSOR_NAMES}
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp_name, metadata=dict(self.metadata))
-            os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only; a table is shared data
-            os.replace(tmp_name, path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=dict(self.metadata)))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> TokenTable:
@@ -415,21 +405,15 @@ def _read_head_weight(target_path: Path) -> tuple[Tensor, str]:
         raise NotADirectoryError(
             f"target checkpoint {target_path} is not a directory (give the HF checkpoint folder)"
         )
-    index_path = target_path / "model.safetensors.index.json"
-    single_path = target_path / "model.safetensors"
-    if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index_path} has no 'weight_map' object")
-        files = {name: target_path / file for name, file in weight_map.items()}
-    elif single_path.is_file():
-        files = dict.fromkeys(_safetensors_keys(single_path), single_path)
-    else:
-        raise FileNotFoundError(
-            f"target {target_path} has neither model.safetensors nor "
-            f"model.safetensors.index.json (only safetensors checkpoints are supported)"
-        )
+    # Errors (no weights, a missing shard, a truncated file) are ValueError/FileNotFoundError
+    # naming the file; only the header of the file holding the head is read, then that tensor.
+    with SafetensorsWeights(target_path) as weights:
+        name = _head_tensor_name(target_path, weights)
+        return weights.get_tensor(name), name
 
+
+def _head_tensor_name(target_path: Path, files: SafetensorsWeights) -> str:
+    """``lm_head.weight``, or the tied ``model.embed_tokens.weight`` when allowed."""
     if LM_HEAD_KEY in files:
         name = LM_HEAD_KEY
     else:
@@ -444,24 +428,7 @@ def _read_head_weight(target_path: Path) -> tuple[Tensor, str]:
                 f"target {target_path} has neither {LM_HEAD_KEY} nor the tied {EMBED_KEY}"
             )
         name = EMBED_KEY
-    if not files[name].is_file():
-        raise FileNotFoundError(
-            f"{index_path} maps {name} to {files[name].name}, which is not in {target_path}"
-        )
-    # safe_open reads just this tensor, not the rest of the checkpoint.
-    try:
-        with safe_open(files[name], framework="pt") as f:
-            return f.get_tensor(name), name
-    except SafetensorError as exc:
-        raise ValueError(f"cannot read {name} from {files[name]}: {exc}") from exc
-
-
-def _safetensors_keys(path: Path) -> list[str]:
-    try:
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    except SafetensorError as exc:
-        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
+    return name
 
 
 def _read_json(path: Path) -> dict:

@@ -151,10 +151,9 @@ def fingerprint(settings: dict[str, Any], upstream: list[dict[str, Any]]) -> str
 
 def write_json(path: Path, data: Any) -> None:
     """Write JSON through a temporary file, so a record is never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    from dspine_train.checkpoint_io import write_json_atomic
+
+    write_json_atomic(path, data, default=str)
 
 
 def subprocess_env(args: argparse.Namespace) -> dict[str, str]:
@@ -331,17 +330,20 @@ def stage_train(demo: Demo, resume: bool) -> dict[str, Any]:
 
 def stage_export(demo: Demo) -> dict[str, Any]:
     """Check the trainer's export loads as a draft for this target; publish it as <out>/draft."""
+    from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
     from dspine_train.engine.validation import check_draft_files
     from dspine_train.modeling import DSpineDraftModel
 
     final = demo.path("train", "final")
     check_draft_files(final)
     draft = DSpineDraftModel.from_pretrained(str(final))
-    tmp = demo.path(".draft.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(final, tmp)
-    shutil.rmtree(demo.path("draft"), ignore_errors=True)
-    tmp.rename(demo.path("draft"))
+    clean_dead_builds(demo.path("draft"))
+    tmp = build_dir(demo.path("draft"))
+    try:
+        shutil.copytree(final, tmp, dirs_exist_ok=True)
+        replace_dir(tmp, demo.path("draft"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     params = sum(p.numel() for p in draft.parameters())
     return {"draft": str(demo.path("draft")), "parameters": params,
             "layers": draft.config.num_layers, "block_size": draft.config.block_size}

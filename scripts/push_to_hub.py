@@ -1,12 +1,14 @@
 """Upload an exported DSpine draft to the Hugging Face Hub with a generated model card.
 
     python scripts/push_to_hub.py EXPORT_DIR --repo-id ORG/NAME [--public] [--dry-run]
-        [--commit-message MSG] [--recipe NAME] [--dataset NAME] [--base-model ORG/TARGET]
+        [--commit-message MSG] [--recipe NAME] [--dataset NAME] [--target-id ORG/TARGET]
         [--endpoint URL] [--timeout SECONDS]
 
 Checks the export (config.json with model_type "dspine", readable model.safetensors), writes
 README.md (the model card) into it, creates the repository if needed (private unless
-`--public`) and uploads the export's files (never dotfiles). Each HTTP request gives up after
+`--public`) and uploads the export's files (never dotfiles; JSON files without local absolute
+paths: config.json's target_name_or_path is uploaded as `--target-id`, default the recorded one
+when it is a Hub id, and a local one without `--target-id` is refused). Each HTTP request gives up after
 `--timeout` seconds without progress (default 60) with a one-line error and exit status 1.
 `--dry-run` prints the repository, visibility, files and sizes and the card, and touches
 neither the export nor the network. The token comes from $HF_TOKEN or the cached
@@ -66,8 +68,11 @@ def _parser() -> argparse.ArgumentParser:
         "--dataset", help="training data for the card (default: training_info.json)"
     )
     parser.add_argument(
-        "--base-model", help="Hub id of the target for the card (default: config.json)"
+        "--target-id",
+        help="Hub id of the target: the uploaded config.json's target_name_or_path and the "
+        "card's base_model (default: config.json's, when it is a Hub id)",
     )
+    parser.add_argument("--base-model", help="the same as --target-id (older name)")
     parser.add_argument("--endpoint", help="Hub URL (default: $HF_ENDPOINT or huggingface.co)")
     parser.add_argument(
         "--timeout",
@@ -84,8 +89,12 @@ def _argument_error(args: argparse.Namespace) -> str | None:
         validate_repo_id(args.repo_id)
     except HFValidationError as err:
         return f"--repo-id {args.repo_id!r}: {err}"
-    if args.base_model is not None and hub.hub_base_model(args.base_model) is None:
-        return f"--base-model {args.base_model!r}: not a Hub model id (ORG/NAME)"
+    for flag in ("target_id", "base_model"):
+        value = getattr(args, flag)
+        if value is not None and hub.hub_base_model(value) is None:
+            return f"--{flag.replace('_', '-')} {value!r}: not a Hub model id (ORG/NAME)"
+    if args.target_id and args.base_model and args.target_id != args.base_model:
+        return f"--target-id {args.target_id!r} and --base-model {args.base_model!r} differ"
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout {args.timeout}: must be a positive number of seconds"
     if args.endpoint is not None:
@@ -105,8 +114,10 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
     if problem:
         print(f"push_to_hub.py: error: {problem}", file=sys.stderr)
         return 2
+    target_id = args.target_id or args.base_model
     try:
         info = hub.validate_export(args.export_dir)
+        public = hub.public_json_files(info.path, target_id)  # no local path is uploaded
     except hub.ExportError as err:
         print(f"push_to_hub.py: error: {err}", file=sys.stderr)
         return 2
@@ -115,12 +126,13 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
         repo_id=args.repo_id,
         recipe=args.recipe,
         dataset=args.dataset,
-        base_model=args.base_model,
+        base_model=target_id,
     )
     token = get_token()  # $HF_TOKEN first, then the cached login
 
     if args.dry_run:
         files = dict(hub.upload_files(info.path))
+        files.update({name: len(content) for name, content in public.items()})
         files[hub.CARD_FILE] = len(card.encode("utf-8"))  # the card replaces any README.md
         print(
             f"repository: {args.repo_id} (model, {'private' if args.private else 'public'} if created)"
@@ -130,7 +142,7 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
         print(f"token: {'found' if token else 'none found (set HF_TOKEN or run `hf auth login`)'}")
         print(f"files ({len(files)}, {_size(sum(files.values()))}):")
         for name, size in sorted(files.items()):
-            print(f"  {name}  {_size(size)}")
+            print(f"  {name}  {_size(size)}" + ("  (local paths removed)" if name in public else ""))
         print(f"--- {hub.CARD_FILE} ---")
         print(card)
         return 0
@@ -152,6 +164,7 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
             endpoint=args.endpoint,
             timeout=args.timeout,
             api_factory=api_factory,
+            target_id=target_id,
         )
     except Exception as err:  # any Hub/network failure (hub.HubError: no answer in time)
         # One line, and never the token.

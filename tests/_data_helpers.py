@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -105,10 +107,14 @@ def chat_row(row_id: str, *turns: str) -> dict[str, Any]:
 class FakeChatServer:
     """An OpenAI-compatible ``/v1/chat/completions`` server on 127.0.0.1, in a thread.
 
-    The reply is deterministic: ``reply <k> to <last user content>``, k = assistant turns so
-    far.  ``faults(content, attempt) -> action`` injects failures for the request whose last
-    user message is ``content`` (``attempt`` counts from 0 per content): ``"500"``, ``"400"``,
-    ``"stall"`` (sleep ``stall_s`` before answering) or None.  ``delay_s`` slows every answer.
+    HTTP/1.1 with keep-alive, as SGLang and vLLM serve.  The reply is deterministic:
+    ``reply <k> to <last user content>``, k = assistant turns so far.
+    ``faults(content, attempt) -> action`` injects failures for the request whose last user
+    message is ``content`` (``attempt`` counts from 0 per content): ``"500"``, ``"400"``,
+    ``"stall"`` (sleep ``stall_s`` before answering), ``"reset"`` (drop the connection with a
+    TCP reset, no answer), ``"garbage"`` (200 with a body that is not JSON) or None; it may
+    also block (e.g. on a barrier).  ``delay_s`` slows every answer.  ``connections`` counts
+    accepted TCP connections, ``peak_in_flight`` the most requests handled at once.
     """
 
     def __init__(self, faults: Callable[[str, int], str | None] | None = None, *,
@@ -118,14 +124,40 @@ class FakeChatServer:
         self.stall_s = stall_s
         self.attempts: Counter[str] = Counter()
         self.requests: list[dict[str, Any]] = []
+        self.connections = 0
+        self.peak_in_flight = 0
+        self._in_flight = 0
         self._lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: a pooling client reuses connections
+
             def log_message(self, *args: Any) -> None:  # keep test output quiet
                 pass
 
+            def setup(self) -> None:
+                super().setup()
+                with server._lock:
+                    server.connections += 1
+
+            def handle(self) -> None:
+                try:
+                    super().handle()
+                except (ConnectionResetError, BrokenPipeError, TimeoutError):
+                    pass  # the client dropped the connection (its timeout); nothing to do
+
             def do_POST(self) -> None:
+                with server._lock:
+                    server._in_flight += 1
+                    server.peak_in_flight = max(server.peak_in_flight, server._in_flight)
+                try:
+                    self._answer()
+                finally:
+                    with server._lock:
+                        server._in_flight -= 1
+
+            def _answer(self) -> None:
                 if self.path != "/v1/chat/completions":
                     self._send(404, {"error": "not found"})
                     return
@@ -142,6 +174,15 @@ class FakeChatServer:
                 elif action in ("500", "400"):
                     self._send(int(action), {"error": f"injected {action}"})
                     return
+                elif action == "reset":
+                    # SO_LINGER 0: close() sends RST instead of FIN, as a crashed server does
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return
+                elif action == "garbage":
+                    self._send(200, b"<html>not json")
+                    return
                 time.sleep(server.delay_s)
                 turn = sum(m["role"] == "assistant" for m in messages)
                 self._send(200, {
@@ -151,8 +192,8 @@ class FakeChatServer:
                                              "content": f"reply {turn} to {content}"}}],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}})
 
-            def _send(self, status: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode()
+            def _send(self, status: int, payload: dict[str, Any] | bytes) -> None:
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -160,10 +201,13 @@ class FakeChatServer:
                     self.end_headers()
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout); nothing to do
+                    self.close_connection = True  # the client gave up (timeout)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            request_queue_size = 128  # listen backlog: many workers connect at once
+
+        self._server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 

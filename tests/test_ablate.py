@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dspine_train.ablation.runner import BUDGET_KEYS
 from dspine_train.ablation.variants import VARIANTS, select_variants
@@ -120,15 +121,140 @@ def test_variant_switches_reach_the_exports(smoke: tuple[Path, dict]) -> None:
     assert derived == (out / "dspine" / "final" / "model.safetensors").read_bytes()
 
 
+def _history(out: Path, variant: str) -> dict[int, dict]:
+    """A run's logged training rows (one per step in the tiny recipe), by step."""
+    rows = [json.loads(line) for line in (out / variant / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
 @SLOW
-def test_simulated_tau_reproduces_the_trainer(smoke: tuple[Path, dict]) -> None:
-    """The offline re-evaluation equals the trainer's own end-of-run evaluation."""
-    _, report = smoke
+def test_variant_switches_reach_training(smoke: tuple[Path, dict]) -> None:
+    """Each trained variant's switch changes its loss by exactly its own term, and its weights.
+
+    Step 1 runs every variant on the same init, batch, anchors and replacement draws, so the
+    shared terms are equal bit for bit and the total losses differ by exactly the switched
+    terms, recomputed here from the *other* run's logged terms. A switch that does not reach
+    the objective (or a run that trained another budget) breaks these equalities; a switch
+    that does not reach the optimizer leaves the variant's weights equal to dspine's.
+    """
+    out, _ = smoke
+    runs = {v: _history(out, v) for v in ("dflash", "dspine", "dspine_no_cosine",
+                                          "dspine_token_ce")}
+    full, no_cos, tok_ce, dflash = (runs[v][1] for v in ("dspine", "dspine_no_cosine",
+                                                         "dspine_token_ce", "dflash"))
+    for row in (no_cos, tok_ce):
+        for term in ("backbone_ce", "backbone_l1", "refine_ce", "refine_l1",
+                     "candidate_coverage", "supervised_slots"):
+            assert row[term] == full[term], term
+    # dspine's loss = dspine_no_cosine's + beta * CE * alignment (SPEC 2.3)
+    alignment = full["alignment_beta"] * full["backbone_ce"] * full["alignment"]
+    assert alignment > 0.1
+    assert full["loss"] - no_cos["loss"] == pytest.approx(alignment, rel=1e-5)
+    # dspine_token_ce's loss = dspine's + the intermediate layers' CE
+    assert tok_ce["token_ce_intermediate"] > 0.1
+    assert tok_ce["loss"] - full["loss"] == pytest.approx(tok_ce["token_ce_intermediate"],
+                                                          rel=1e-5)
+    # dflash's switches change the forward itself (injection, block attention) ...
+    assert dflash["backbone_ce"] != full["backbone_ce"]
+    # ... and every switch changes what is learnt: no two variants end with the same weights
+    from safetensors.torch import load_file
+
+    weights = {v: load_file(out / v / "final" / "model.safetensors") for v in runs}
+    names = list(runs)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            shared = weights[a].keys() & weights[b].keys()
+            assert any(not weights[a][k].equal(weights[b][k]) for k in shared), (a, b)
+
+
+def independent_acceptance(out: Path, variant: str) -> tuple[float, float, torch.Tensor]:
+    """(blocks, accepted, drafted tokens) of the variant's export on the trainer's held-out
+    blocks, computed without the evaluation code under test.
+
+    The blocks are the trainer's (its plan and anchor draws); everything else is recomputed:
+    the target's greedy tokens from the full target model (not the offline cache nor the
+    draft's bound head), supervision and labels from the raw data, and acceptance by counting
+    each block's leading slots where the draft, the target's greedy choice and the data agree.
+    The draft proposes with its own decode (`walk`), which is what the evaluation measures.
+    """
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    from dspine_train.ablation.simulated import load_run_config
+    from dspine_train.modeling import DSpineDraftModel
+    from dspine_train.objective import sample_anchors
+    from dspine_train.training.data import TokenBatches
+    from dspine_train.training.evaluation import (
+        EVAL_SEED_OFFSET,
+        batch_generator,
+        evaluation_plan,
+    )
+
+    source = "dspine" if variant == "dspine_no_tcache" else variant
+    config = load_run_config(out / source / "hydra" / "config.yaml")
+    d, e = config.data, config.eval
+    target = AutoModelForCausalLM.from_pretrained(config.model.target_path,
+                                                  dtype=torch.float32).eval()
+    draft = DSpineDraftModel.from_pretrained(str(out / variant / "final")).eval()
+    draft.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    bk, layer_ids = draft.config.block_size, draft.config.target_layer_ids
+    batches = TokenBatches(datasets.load_from_disk(d.train_path)[d.eval_split], d.max_length,
+                           draft.config.vocab_size, "eval")
+    plan = evaluation_plan(batches.lengths, e.batch_size, e.num_anchors, e.max_blocks,
+                           config.seed)
+    blocks = accepted = 0.0
+    drafted = []
+    with torch.no_grad():
+        for index, rows in enumerate(plan):
+            batch = batches.collate(rows)
+            ids, mask = batch.input_ids, batch.loss_mask
+            run = target(ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+            greedy = run.logits.argmax(-1)  # greedy[b, p]: the target's choice for token p + 1
+            context = torch.cat([run.hidden_states[i + 1] for i in layer_ids], dim=-1)
+            anchors, valid = sample_anchors(
+                mask, e.num_anchors, bk, batch_generator(config.seed + EVAL_SEED_OFFSET, index))
+            fwd = draft(ids, context, anchors, valid)
+            n, a = anchors.shape
+            walk = draft.walk(fwd.pre_injection.flatten(0, 1), fwd.recv_features.flatten(0, 1),
+                              draft.logits(fwd.hidden[..., 1:, :]).flatten(0, 1),
+                              torch.gather(ids, 1, anchors).flatten())
+            tokens = walk.tokens.view(n, a, bk - 1)
+            lengths = batch.attention_mask.sum(1)
+            for b in range(n):
+                for j in range(a):
+                    if not valid[b, j]:
+                        continue
+                    blocks += 1
+                    drafted.append(tokens[b, j])
+                    anchor = int(anchors[b, j])
+                    for k in range(1, bk):
+                        p = anchor + k
+                        if not (p < lengths[b] and mask[b, p] and ids[b, p] == greedy[b, p - 1]
+                                == tokens[b, j, k - 1]):
+                            break
+                        accepted += 1
+    return blocks, accepted, torch.stack(drafted)
+
+
+@SLOW
+def test_simulated_tau_matches_an_independent_recount(smoke: tuple[Path, dict]) -> None:
+    """The simulated tau of every row (and the trainer's own, for trained rows) equals a
+    recount from the full target model and the raw data, and each row's evaluation decodes
+    with its own switches: no two variants draft the same tokens on the same blocks."""
+    out, report = smoke
+    drafted = {}
     for row in report["variants"]:
+        blocks, accepted, drafted[row["variant"]] = independent_acceptance(out, row["variant"])
+        assert row["simulated"]["blocks"] == blocks
+        assert row["simulated"]["tau"] == pytest.approx(1 + accepted / blocks, abs=1e-12)
         if row["trained"]:
-            assert row["simulated"]["tau"] == pytest.approx(row["trainer_sim_tau"], abs=1e-9)
+            assert row["trainer_sim_tau"] == pytest.approx(1 + accepted / blocks, abs=1e-12)
         else:
             assert row["trainer_sim_tau"] is None
+    names = list(drafted)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not drafted[a].equal(drafted[b]), (a, b)
 
 
 @SLOW

@@ -99,6 +99,42 @@ def test_engine_cli_rejects_before_loading(engine_files, capsys, case):
     assert files_under(root) == before  # nothing written, no temporary file left
 
 
+@pytest.mark.parametrize("change", ["missing", "unexpected"])
+def test_engine_cli_names_a_draft_whose_weights_do_not_match(tmp_path, capsys, change):
+    """A draft export whose safetensors lacks a weight (or holds an extra one) passes the file
+    checks; its strict load is one `CheckpointError` line naming the draft, not a traceback."""
+    from safetensors.torch import load_file
+
+    from tests._engine_helpers import build_tiny_target, build_tokenizer, tiny_draft
+
+    hf = build_tiny_target(tmp_path / "target", "qwen3", num_hidden_layers=6, eos_token_id=None)
+    build_tokenizer(tmp_path / "target", vocab_size=200)
+    draft = tmp_path / "draft"
+    tiny_draft(hf, 200).save_pretrained(draft)
+    weights = load_file(draft / "model.safetensors")
+    name = sorted(weights)[0]
+    if change == "missing":
+        del weights[name]
+    else:
+        name = "layers.9.extra.weight"
+        weights[name] = torch.zeros(2)
+    save_file(weights, draft / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "prompts.txt").write_text("w1 w2\n", encoding="utf-8")
+    out = tmp_path / "out.json"
+    argv = ["--target", str(tmp_path / "target"), "--draft", str(draft), "--no-chat",
+            "--prompts", str(tmp_path / "prompts.txt"), "--device", "cpu", "--output", str(out)]
+    capsys.readouterr()
+    assert engine_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    # transformers' loading progress bars may precede it; the error is the one last line
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: {draft}: the weights do not match its config.json "
+                           f"({change} keys: "), line
+    assert name in line
+    assert not out.exists()
+
+
 # --------------------------------------------------------------------------- token_table CLI
 @pytest.fixture
 def checkpoints(tmp_path):

@@ -244,7 +244,6 @@ def test_regenerate_malformed_url_names_its_key(url, tmp_path, monkeypatch, caps
 
 def test_regenerate_full_disk_names_enospc_and_leaves_no_partial_shard(tmp_path, monkeypatch,
                                                                        capsys):
-    import data_prep.shards
     from data_prep.regenerate import main
 
     inputs = write_jsonl(tmp_path / "c.jsonl", rows(3))
@@ -253,7 +252,7 @@ def test_regenerate_full_disk_names_enospc_and_leaves_no_partial_shard(tmp_path,
     def full_disk(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(data_prep.shards.os, "fsync", full_disk)
+    monkeypatch.setattr(os, "fsync", full_disk)  # the fsync of every atomic file write
     with FakeChatServer() as server:
         code, err = run_cli(main, regenerate([inputs], out,
                                              f"data.regenerate.http.urls=[{server.url}]"),

@@ -305,3 +305,24 @@ def test_more_steps_and_other_logging_may_change_on_resume(
         in proc.stdout
     assert f"the run now has {STEPS + 2} steps" in proc.stdout
     assert json.loads((out / "final" / "training_info.json").read_text())["step"] == STEPS + 2
+
+
+# ---------------------------------------------------------------------------- no supervision
+@pytest.mark.parametrize("mask", [[0] * 12, [1, 0] * 6], ids=["none", "no_pair"])
+def test_data_without_supervised_tokens_is_refused_naming_the_data(
+    tiny_assets, tmp_path: Path, mask: list[int]
+) -> None:
+    """No anchor to train on (all loss_mask 0, or no two consecutive 1s): one line naming the
+    setting and the data, before any step (it used to fail in the first step's objective)."""
+    import datasets
+
+    ids = list(range(5, 17))
+    rows = {"input_ids": [ids] * 8, "loss_mask": [mask] * 8, "length": [len(ids)] * 8}
+    data = tmp_path / "data"
+    datasets.DatasetDict(train=datasets.Dataset.from_dict(rows)).save_to_disk(str(data))
+    out = tmp_path / "out"
+    line = _refused(run_train(tiny_overrides(tiny_assets, out, f"data.train_path={data}")))
+    assert line == (f"error: data.train_path: no row of '{data}' (split 'train') has two "
+                    "consecutive supervised tokens (loss_mask 1): nothing to train on; check "
+                    "the loss masks of the data")
+    assert not (out / "checkpoints").exists() and not (out / "final").exists()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -105,6 +107,68 @@ def test_round_robin_over_servers_and_resume_refuses_other_settings(tmp_path):
                           "data.regenerate.sampling.temperature=0.7")
         with pytest.raises(DataError, match="temperature"):
             run_regeneration(other)
+
+
+def test_workers_share_one_pool_of_keep_alive_connections():
+    """24 conversations of 3 turns at once: 24 connections for 72 requests, none waiting.
+
+    24 is above httpx's default of 20 kept-alive connections, so a pool not sized to
+    ``max_in_flight`` reconnects; one too small makes the first turns wait for a connection
+    and the barrier (all 24 first turns on the server together) break.
+    """
+    workers = 24
+    rows = [chat_row(f"r{i}", f"first {i}", "a", f"second {i}", "b", f"third {i}", "c")
+            for i in range(workers)]
+    together = threading.Barrier(workers, timeout=20)
+
+    def first_turns_together(content, attempt):
+        if content.startswith("first"):
+            together.wait()
+        return None
+
+    config = HttpBackendConfig(max_in_flight=workers, timeout_s=30, max_retries=0)
+    with FakeChatServer(first_turns_together) as server:
+        config.urls = [server.url]
+        outcomes = list(HttpBackend(config, SamplingConfig()).regenerate(rows))
+    assert [o.error for o in outcomes] == [None] * workers and not together.broken
+    assert len(server.requests) == 3 * workers and server.peak_in_flight == workers
+    assert server.connections == workers  # urllib opened one per request: 72
+
+
+def _refused_url():
+    """A loopback URL where nothing listens (the port was free a moment ago)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_resets_garbage_and_refused_connections_are_retried_then_named():
+    def faults(content, attempt):
+        return {"reset once": "reset" if attempt == 0 else None,
+                "garbage once": "garbage" if attempt == 0 else None,
+                "always reset": "reset", "always garbage": "garbage"}.get(content)
+
+    rows = [chat_row(name.replace(" ", "-"), name, "x")
+            for name in ("reset once", "garbage once", "always reset", "always garbage")]
+    dead = _refused_url()
+    with FakeChatServer(faults) as server:
+        config = HttpBackendConfig(urls=[server.url], timeout_s=5, max_retries=1, backoff_s=0.01)
+        outcomes = {o.id: o for o in HttpBackend(config, SamplingConfig()).regenerate(rows)}
+        assert outcomes["reset-once"].error is None and outcomes["garbage-once"].error is None
+        assert server.attempts["reset once"] == server.attempts["garbage once"] == 2
+        reset, garbage = outcomes["always-reset"].error, outcomes["always-garbage"].error
+        assert reset.startswith(f"connection_error: {server.url}/v1/chat/completions: ")
+        assert garbage.startswith(f"bad_response: {server.url}/v1/chat/completions: ")
+        assert "gave up after 2 attempts" in reset and "gave up after 2 attempts" in garbage
+
+        # A server that refuses connections: the next attempt goes to the other one.
+        config = HttpBackendConfig(urls=[dead, server.url], max_in_flight=1, timeout_s=5,
+                                   max_retries=1, backoff_s=0.01)
+        outcome, = HttpBackend(config, SamplingConfig()).regenerate([chat_row("r", "q", "a")])
+        assert outcome.error is None and server.attempts["q"] == 1
+    config = HttpBackendConfig(urls=[dead], timeout_s=5, max_retries=0)
+    outcome, = HttpBackend(config, SamplingConfig()).regenerate([chat_row("r", "q", "a")])
+    assert outcome.error.startswith(f"connection_error: {dead}/v1/chat/completions: ")
 
 
 def test_reasoning_content_is_put_back_as_think_block():

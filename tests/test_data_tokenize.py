@@ -245,7 +245,7 @@ def test_tokenize_cleans_builds_left_by_a_killed_run(tmp_path, tokenizer_dir):
 
 
 def test_a_kill_between_the_two_renames_puts_the_old_output_back(tmp_path):
-    from dspine_train.owned_dir import clean_dead_builds
+    from dspine_train.checkpoint_io import clean_dead_builds
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

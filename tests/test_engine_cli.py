@@ -125,10 +125,10 @@ def test_cli_output_failure_after_generation_leaves_nothing(files, capsys, monke
     argv += ["--no-chat", "--max-new-tokens", "2", "--max-seq-len", "32"]
     argv += ["--output", str(out_dir / "out.json")]
 
-    def disk_full(self, target):
+    def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(Path, "replace", disk_full)
+    monkeypatch.setattr(os, "replace", disk_full)
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err  # above the error line: only the progress bar

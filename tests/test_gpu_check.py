@@ -147,3 +147,15 @@ def test_oracle_draft_proposes_the_known_continuation_with_fixed_corruptions():
     assert torch.equal(draft.propose(cache, torch.tensor([13, 32])).tokens, tokens)  # fixed draws
     draft.crop_context(cache, torch.tensor([1, 5]))
     assert cache.lengths.tolist() == [1, 2]  # crop only lowers
+
+
+def test_memory_section_builds_the_8b_recipes_draft_without_its_tokenizer():
+    """The GPU run's memory section sizes the `qwen3_8b` draft from the shipped target config
+    alone (no tokenizer on the device): the draft must resolve as `plan_only` resolves it."""
+    from dspine_train.gpu_check.memory import recipe_draft
+
+    config, target, draft = recipe_draft("qwen3_8b")
+    assert (target.num_hidden_layers, target.hidden_size) == (36, 4096)
+    assert (draft.num_layers, draft.block_size) == (5, 16)
+    assert list(draft.target_layer_ids) == [1, 9, 17, 25, 33]
+    assert 0 <= draft.mask_token_id < target.vocab_size

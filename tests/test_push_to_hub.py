@@ -81,9 +81,19 @@ class FakeHfApi:
 
     def create_commit(self, **kwargs):
         self.calls.append(("create_commit", kwargs))
-        self.uploaded = {op.path_in_repo: Path(op.path_or_fileobj) for op in kwargs["operations"]}
+        # a file's path, or the bytes uploaded instead of it (a cleaned JSON file)
+        self.uploaded = {
+            op.path_in_repo: op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes)
+            else Path(op.path_or_fileobj)
+            for op in kwargs["operations"]
+        }
         self.uploaded_card = self.uploaded["README.md"].read_text()
         return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/1")
+
+    def content(self, name: str) -> bytes:
+        """What was uploaded as `name`."""
+        item = self.uploaded[name]
+        return item if isinstance(item, bytes) else item.read_bytes()
 
 
 @pytest.fixture
@@ -211,8 +221,8 @@ def test_card_holds_no_local_absolute_paths(tmp_path, hf_env):
     (export / "eval_results.json").write_text(
         json.dumps({"acceptance_length": 3.0, "prompts": "~/bench/prompts.jsonl (80 rows)"})
     )
-    assert run_main([export, "--repo-id", "org/name"]) == 0
-    text = FakeHfApi.instances[0].uploaded_card
+    # A local target is uploaded only with its Hub id (see the test below); the card alone:
+    text = hub.render_model_card(hub.validate_export(export), repo_id="org/name")
     for local in (str(tmp_path), "/home/me", "/data/", "~/bench"):
         assert local not in text
     assert "`Qwen3-8B`" in text
@@ -223,6 +233,72 @@ def test_card_holds_no_local_absolute_paths(tmp_path, hf_env):
     assert hub.public_text("see https://hf.co/org/x and org/y, 3/4") == (
         "see https://hf.co/org/x and org/y, 3/4"
     )
+
+
+def _local_target_export(tmp_path: Path) -> tuple[Path, Path]:
+    """An export trained on a local target directory, as the trainer writes it."""
+    target = tmp_path / "ckpt" / "Qwen3-8B"
+    target.mkdir(parents=True)
+    export = make_export(tmp_path / "export", target_name_or_path=str(target))
+    (export / "training_info.json").write_text(json.dumps(
+        {"recipe": "qwen3_8b", "step": 10, "target": str(target),
+         "data": str(tmp_path / "data" / "tokenized"), "note": "see </s> and org/x"}))
+    (export / "nested").mkdir()
+    (export / "nested" / "extra.json").write_text(json.dumps({"paths": ["/home/me/x.txt"]}))
+    return export, target
+
+
+@pytest.mark.parametrize("flag", ["--target-id", "--base-model"])
+def test_uploaded_json_carries_no_local_path(tmp_path, hf_env, flag):
+    export, target = _local_target_export(tmp_path)
+    local = {p: p.read_bytes() for p in export.rglob("*.json")}
+    assert run_main([export, "--repo-id", "org/name", flag, "Qwen/Qwen3-8B"]) == 0
+    (api,) = FakeHfApi.instances
+    uploaded = {name: api.content(name) for name in api.uploaded if name.endswith(".json")}
+    assert set(uploaded) == {"config.json", "training_info.json", "nested/extra.json"}
+    for name, content in uploaded.items():
+        assert str(tmp_path).encode() not in content and b"/home/me" not in content, name
+    config = json.loads(uploaded["config.json"])
+    assert config["target_name_or_path"] == "Qwen/Qwen3-8B"
+    assert {k: v for k, v in config.items() if k != "target_name_or_path"} == {
+        k: v for k, v in json.loads(local[export / "config.json"]).items()
+        if k != "target_name_or_path"}
+    assert json.loads(uploaded["training_info.json"]) == {
+        "recipe": "qwen3_8b", "step": 10, "target": "Qwen/Qwen3-8B", "data": "tokenized",
+        "note": "see </s> and org/x"}  # only whole-value paths change
+    assert json.loads(uploaded["nested/extra.json"]) == {"paths": ["x.txt"]}
+    assert ModelCard(api.uploaded_card).data.base_model == "Qwen/Qwen3-8B"
+    # the local export is unchanged: the engine reads the local target from it
+    assert {p: p.read_bytes() for p in export.rglob("*.json")} == local
+
+
+def test_a_local_target_without_a_hub_id_is_refused(tmp_path, hf_env, capsys):
+    export, target = _local_target_export(tmp_path)
+    before = sorted(export.rglob("*"))
+
+    def no_client(**kwargs):
+        raise AssertionError("nothing may be uploaded")
+
+    for extra in ([], ["--dry-run"]):
+        assert run_main([export, "--repo-id", "org/name", *extra], api_factory=no_client) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"push_to_hub.py: error: {export / 'config.json'}: target_name_or_path "
+                       f"'{target}' is a local path, which is never uploaded; give the target's "
+                       "Hub id with --target-id ORG/NAME"]
+    assert sorted(export.rglob("*")) == before  # no card written either
+    # the library call refuses too, before any request
+    with pytest.raises(hub.ExportError, match="target_name_or_path .* is a local path"):
+        hub.push_export(export, "org/name", "card", token=TOKEN, api_factory=no_client)
+
+
+def test_dry_run_marks_the_cleaned_files(tmp_path, hf_env, capsys):
+    export, _ = _local_target_export(tmp_path)
+    assert run_main([export, "--repo-id", "org/name", "--target-id", "Qwen/Qwen3-8B",
+                     "--dry-run"]) == 0
+    listed = capsys.readouterr().out.split("--- README.md ---")[0]
+    assert "config.json" in listed and "training_info.json" in listed
+    assert listed.count("(local paths removed)") == 3
+    assert str(tmp_path) not in listed
 
 
 def test_dry_run_prints_plan_and_card_without_network_or_writes(tmp_path, hf_env, capsys):
@@ -266,7 +342,7 @@ def _remove(path: Path) -> None:
                 (e / "model.safetensors").read_bytes()[:-16]
             ),
             "model.safetensors",
-            "not a readable safetensors file",
+            "not a valid safetensors file",
         ),
         (
             lambda e: (e / "eval_results.json").write_text('{"acceptance_length": "high"}'),

@@ -330,7 +330,7 @@ def test_load_lm_head_weight_errors(tmp_path: Path) -> None:
         load_lm_head_weight(tmp_path)
 
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable"):
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a valid safetensors"):
         load_lm_head_weight(tmp_path)
 
     save_file({"model.norm.weight": torch.ones(4)}, tmp_path / "model.safetensors")

@@ -10,7 +10,6 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from dspine_train.training.config import (
-    BlockAttention,
     ConfigError,
     Precision,
     TrainConfig,
@@ -38,15 +37,17 @@ def test_every_recipe_composes_into_the_schema(recipe: str) -> None:
     assert isinstance(config, TrainConfig) and config.name == recipe
     assert config.model.target_path and config.data.train_path
     assert config.output_dir == f"outputs/{recipe}"
-    overrides = config.model.draft_overrides()
-    assert overrides["num_layers"] == len(overrides["target_layer_ids"])
 
 
 def test_qwen3_8b_carries_the_published_settings() -> None:
+    from dspine_train.training.planning import plan_draft_config
+
     c = _compose("recipe=qwen3_8b")
-    assert (c.model.num_layers, c.model.block_size) == (5, 16)
-    assert c.model.target_layer_ids == [1, 9, 17, 25, 33]
-    assert c.model.loss_gamma == 7.0 and c.model.block_attention == BlockAttention.causal
+    draft = plan_draft_config(c)  # the recipe's draft fields over DSpineConfig's defaults
+    assert (draft.num_layers, draft.block_size) == (5, 16)
+    assert draft.target_layer_ids == [1, 9, 17, 25, 33]
+    assert draft.loss_gamma == 7.0 and draft.block_attention == "causal"
+    assert (draft.transfer_dim, draft.message_size, draft.candidate_k) == (1024, 512, 16)
     assert (c.optim.lr, c.optim.warmup_ratio, c.optim.epochs) == (6e-4, 0.04, 6)
     assert c.optim.max_grad_norm == 1.0 and c.data.max_length == 3072
     assert c.precision == Precision.bf16 and c.deepspeed.stage == 2

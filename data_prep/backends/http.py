@@ -1,10 +1,15 @@
 """Regeneration through OpenAI-compatible ``/v1/chat/completions`` servers (SGLang, vLLM).
 
 Each conversation is one task in a thread pool of ``max_in_flight`` workers (its turns are
-sequential; conversations run concurrently).  Every attempt goes to the next URL round-robin,
-so a retry after a failure usually lands on another server.  Timeouts, connection errors, 429
-and 5xx answers are retried with exponential backoff; other 4xx answers (e.g. a prompt longer
-than the server's context) fail the row at once.  Only the standard library is used.
+sequential; conversations run concurrently).  All workers share one ``httpx.Client`` whose
+pool keeps a connection per worker and server alive, so a run opens about ``max_in_flight``
+connections per server instead of one per request.  httpx applies ``timeout_s`` to connecting
+and to each read, and its transport retries a failed connect once at once.  On top of that,
+every attempt goes to the next URL round-robin (a retry usually lands on another server), and
+timeouts, connection errors, 429 and 5xx answers are retried with exponential backoff (httpx
+does not retry on a status); other 4xx answers (e.g. a prompt longer than the server's
+context) and redirects fail the row at once.  Proxy environment variables are not used: the
+servers are the user's own.
 
 Thinking: ``enable_thinking`` is sent as ``chat_template_kwargs`` (both servers pass it to the
 template).  When a server's reasoning parser splits the reply, ``reasoning_content`` is put
@@ -19,18 +24,20 @@ import json
 import os
 import random
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from http.client import HTTPException
 from typing import Any
+
+import httpx
 
 from data_prep.backends import Reply, RowOutcome, TurnByTurn, TurnFailed
 from data_prep.config import HttpBackendConfig, SamplingConfig
 from data_prep.schema import Conversation
 
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+# httpx's own retry of a refused or timed-out connect (at once, to the same server): it covers a
+# server restarting or a full listen backlog without spending one of ``max_retries``.
+_CONNECT_RETRIES = 1
 
 
 def completions_url(url: str) -> str:
@@ -58,6 +65,19 @@ class HttpBackend:
         self._headers = {"Content-Type": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+
+    def open_client(self) -> httpx.Client:
+        """The client every worker of a run shares: pooled connections, timeouts, headers.
+
+        The pool keeps one connection per worker and server alive (a worker's retries and
+        round-robin move it between servers); more workers than that never exist, so no
+        request waits for a connection and none is closed only to be reopened.
+        """
+        size = self.config.max_in_flight * len(self.config.urls)
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        transport = httpx.HTTPTransport(limits=limits, retries=_CONNECT_RETRIES)
+        return httpx.Client(transport=transport, headers=self._headers,
+                            timeout=httpx.Timeout(self.config.timeout_s))
 
     def _next_url(self) -> str:
         with self._url_lock:
@@ -92,40 +112,44 @@ class HttpBackend:
         return Reply(text, truncated=choice.get("finish_reason") == "length",
                      completion_tokens=int(tokens))
 
-    def complete(self, messages: list[dict[str, Any]], row_id: str = "") -> Reply:
+    def _backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt`` (1, 2, ...): doubling, capped, jittered."""
+        delay = min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
+        return delay * random.uniform(0.5, 1.0)  # spreads the retries of rows failing together
+
+    def complete(self, client: httpx.Client, messages: list[dict[str, Any]],
+                 row_id: str = "") -> Reply:
         """One chat completion with retries; raises :class:`TurnFailed` with the reason."""
         body = self._body(messages, row_id)
         last_error = ""
         for attempt in range(self.config.max_retries + 1):
-            if attempt:
-                delay = min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
-                # Jitter spreads the retries of many rows that failed together.
-                if self._stop.wait(delay * random.uniform(0.5, 1.0)):
-                    raise _Cancelled
+            if attempt and self._stop.wait(self._backoff(attempt)):
+                raise _Cancelled
             url = self._next_url()
-            request = urllib.request.Request(url, data=body, headers=self._headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.config.timeout_s) as response:
-                    return self._parse(response.read())
-            except urllib.error.HTTPError as error:
-                detail = error.read()[:200].decode("utf-8", "replace")
-                last_error = f"http_{error.code}: {url} answered {detail!r}"
-                if error.code not in _RETRYABLE_STATUS:
-                    raise TurnFailed(last_error) from None
-            except TimeoutError:
+                response = client.post(url, content=body)
+                if not response.is_success:
+                    detail = response.content[:200].decode("utf-8", "replace")
+                    last_error = f"http_{response.status_code}: {url} answered {detail!r}"
+                    if response.status_code not in _RETRYABLE_STATUS:
+                        raise TurnFailed(last_error)
+                    continue
+                return self._parse(response.content)
+            except httpx.TimeoutException:
                 last_error = f"timeout: no answer from {url} within {self.config.timeout_s} s"
-            except (urllib.error.URLError, HTTPException, ConnectionError) as error:
-                last_error = f"connection_error: {url}: {error}"
-            except (ValueError, KeyError, IndexError, TypeError) as error:
+            except httpx.TransportError as error:
+                last_error = f"connection_error: {url}: {str(error) or type(error).__name__}"
+            except (httpx.DecodingError, ValueError, KeyError, IndexError, TypeError) as error:
                 last_error = f"bad_response: {url}: {error!r}"
         raise TurnFailed(f"{last_error} (gave up after {self.config.max_retries + 1} attempts)")
 
-    def regenerate_row(self, row: Conversation) -> RowOutcome:
+    def regenerate_row(self, client: httpx.Client, row: Conversation) -> RowOutcome:
         """All turns of one conversation, sequentially."""
         state = TurnByTurn(row)
         while state.pending:
             try:
-                state.add_reply(self.complete(state.history, row["id"]))  # type: ignore[arg-type]
+                reply = self.complete(client, state.history, row["id"])  # type: ignore[arg-type]
+                state.add_reply(reply)
             except TurnFailed as error:
                 state.fail(str(error))
         return state.outcome()
@@ -135,17 +159,19 @@ class HttpBackend:
 
         Rows are submitted lazily (at most twice the pool size queued) so input of any size
         streams.  On an exception in the consumer (Ctrl-C) queued rows are cancelled and
-        retry waits end at once; requests already on the wire end by their timeout.
+        retry waits end at once; requests already on the wire end by their timeout, so the
+        client is closed only when none is left (else its sockets go with the process).
         """
         self._stop.clear()
         rows = iter(rows)
         limit = self.config.max_in_flight
+        client = self.open_client()
         pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="regenerate")
         running: set[Future[RowOutcome]] = set()
         try:
             while True:
                 for row in itertools.islice(rows, 2 * limit - len(running)):
-                    running.add(pool.submit(self.regenerate_row, row))
+                    running.add(pool.submit(self.regenerate_row, client, row))
                 if not running:
                     return
                 finished, running = wait(running, return_when=FIRST_COMPLETED)
@@ -154,3 +180,5 @@ class HttpBackend:
         finally:
             self._stop.set()
             pool.shutdown(wait=False, cancel_futures=True)
+            if all(future.done() for future in running):
+                client.close()

@@ -23,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir
 from .variants import Variant
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,25 +232,25 @@ def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> 
     """`destination`: the export at `source` with `switches` written into its config.json.
 
     Weights are hard-linked (copied where links are impossible); written to a temporary
-    directory and renamed, so the destination is always a whole export.
+    directory and swapped in, so the destination is always a whole export, never missing.
     """
     if not (source / "config.json").is_file():
         raise AblationError(f"{source}: no exported draft to derive from")
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}."))
-    tmp.chmod(0o755)
-    for item in source.iterdir():
-        if item.is_file() and item.name != "config.json":
-            try:
-                os.link(item, tmp / item.name)
-            except OSError:
-                shutil.copy2(item, tmp / item.name)
-    config = json.loads((source / "config.json").read_text())
-    config.update(switches)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if destination.exists():
-        shutil.rmtree(destination)
-    tmp.rename(destination)
+    clean_dead_builds(destination)
+    tmp = build_dir(destination)
+    try:
+        for item in source.iterdir():
+            if item.is_file() and item.name != "config.json":
+                try:
+                    os.link(item, tmp / item.name)
+                except OSError:
+                    shutil.copy2(item, tmp / item.name)
+        config = json.loads((source / "config.json").read_text())
+        config.update(switches)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        replace_dir(tmp, destination)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prepare_variants(settings: AblationSettings, variants: Sequence[Variant], jobs: int = 1) -> None:

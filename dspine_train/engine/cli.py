@@ -17,13 +17,13 @@ import argparse
 import codecs
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from dspine_train.checkpoint_io import write_text_atomic
 from dspine_train.engine.engine import Engine, GenerationResult
 from dspine_train.engine.errors import (
     CheckpointError,
@@ -162,13 +162,9 @@ def _write_output(path: Path, report: dict) -> str | None:
     The results go to a temporary file beside `path` that replaces it at the end, and is
     removed on any failure, so `path` is never half-written.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(report, indent=1), encoding="utf-8")
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(report, indent=1))
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         return f"--output {path}: cannot write ({err.strerror or err})"
     return None
 

@@ -33,7 +33,7 @@ from dspine_train.engine.acceptance import (
     rejection_accept,
 )
 from dspine_train.engine.cuda_graphs import StepCache
-from dspine_train.engine.errors import GenerationInputError
+from dspine_train.engine.errors import CheckpointError, GenerationInputError
 from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
 from dspine_train.engine.sampling import next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
@@ -172,7 +172,11 @@ class Engine:
             # plain decoding does not need.
             from dspine_train.modeling import DSpineDraftModel
 
-            draft_model = DSpineDraftModel.from_pretrained(str(draft))
+            try:  # strict load: missing, unexpected or mismatched weights are a ValueError
+                draft_model = DSpineDraftModel.from_pretrained(str(draft))
+            except ValueError as err:  # its own errors name the directory; others get it
+                message = str(err) if str(draft) in str(err) else f"draft {draft}: {err}"
+                raise CheckpointError(message) from err
         kwargs.setdefault("eos_token_ids", _eos_ids(target_dir, model, tok))
         return cls(model, draft_model, tok, **kwargs)
 

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError, safe_open
-
+from dspine_train.checkpoint_io import WeightsError, open_safetensors
 from dspine_train.engine.errors import CheckpointError, IncompatibleDraftError
 from dspine_train.engine.target_model import TargetModel
 
@@ -39,10 +38,9 @@ def check_draft_files(directory: str | Path) -> None:
         raise CheckpointError(str(err)) from err
     for path in files:
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                handle.keys()
-        except SafetensorError as err:
-            raise CheckpointError(f"{path}: not a valid safetensors file ({err})") from err
+            open_safetensors(path)
+        except WeightsError as err:
+            raise CheckpointError(str(err)) from err
 
 
 def check_draft_fits_target(draft_config: Any, target: TargetModel, tokenizer: Any | None) -> None:

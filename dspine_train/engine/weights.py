@@ -10,53 +10,28 @@ Every problem (no weights, truncated or corrupted file, missing or misshapen ten
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
+from dspine_train.checkpoint_io import SafetensorsWeights, WeightsError
 from dspine_train.engine.errors import CheckpointError
 from dspine_train.engine.rope import rope_parameters
 from dspine_train.engine.target_model import TargetConfig, TargetModel
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older exports carry; the engine computes them itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def safetensors_files(directory: Path) -> list[Path]:
-    """The weight files of a checkpoint directory, from its shard index or the single file."""
-    index_path = directory / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index_path}: unreadable shard index ({err})") from err
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index_path} names shard files that do not exist: {missing}")
-        return files
-    single = directory / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise CheckpointError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} found")
-
-
-def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Read every tensor of `files` (memory-mapped, on CPU); errors name the bad file."""
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for key in handle.keys():
-                    tensors[key] = handle.get_tensor(key)
-        except SafetensorError as err:
-            raise CheckpointError(f"{path}: not a valid safetensors file ({err})") from err
-    return tensors
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in `directory` (memory-mapped, on CPU); errors name the
+    bad file."""
+    try:
+        with SafetensorsWeights(directory) as weights:
+            return dict(weights.tensors())
+    except WeightsError as err:
+        raise CheckpointError(str(err)) from err
 
 
 def load_target(
@@ -84,7 +59,7 @@ def load_target(
     with torch.device("meta"):
         model = TargetModel(config, hf_config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    state = read_safetensors(safetensors_files(directory))
+    state = read_safetensors(directory)
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         if "model.embed_tokens.weight" in state:

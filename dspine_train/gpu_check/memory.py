@@ -47,6 +47,22 @@ def recipe_config(recipe: str):  # noqa: ANN201 - TrainConfig
         return to_train_config(compose("config", overrides=[f"recipe={recipe}", "world_size=1"]))
 
 
+def recipe_draft(recipe: str) -> tuple[Any, Any, Any]:
+    """The recipe's config, its target's config and the draft `plan_only` sizes for it.
+
+    `tiny` uses the tiny random target's architecture; `qwen3_8b` the shipped Qwen3-8B config
+    (no tokenizer here: `plan_draft_config` then takes a placeholder mask id, which changes no
+    memory).
+    """
+    from dspine_train.training.planning import plan_draft_config
+    from dspine_train.training.tiny_assets import tiny_target_config
+
+    config = recipe_config(recipe)
+    target_config = tiny_target_config() if recipe == "tiny" else transformers.AutoConfig.from_pretrained(
+        REPO / "recipes/targets/qwen3_8b")
+    return config, target_config, plan_draft_config(config, target_config)
+
+
 def training_step_memory(ck: Check) -> dict[str, Any]:
     """One bf16 mixed-precision training step of the recipe's draft on random features.
 
@@ -56,19 +72,14 @@ def training_step_memory(ck: Check) -> dict[str, Any]:
     random features of the right shape).
     """
     from dspine_train.objective import sample_anchors
-    from dspine_train.training.draft_builder import draft_config_for
     from dspine_train.training.draft_step import DraftStep
     from dspine_train.training.planning import memory_plan_for
-    from dspine_train.training.tiny_assets import tiny_target_config
 
     recipe = "tiny" if ck.tiny else "qwen3_8b"
-    config = recipe_config(recipe)
+    config, target_config, draft_config = recipe_draft(recipe)
     plan = memory_plan_for(config)
     excluded = ("frozen target weights", "target forward working set (no grad)")
     predicted = sum(item.bytes for item in plan.items if item.name not in excluded)
-    target_config = tiny_target_config() if ck.tiny else transformers.AutoConfig.from_pretrained(
-        REPO / "recipes/targets/qwen3_8b")
-    draft_config = draft_config_for(config.model, target_config, None)
     device, dtype = ck.device, torch.bfloat16
     hidden, vocab = target_config.hidden_size, target_config.vocab_size
     if not ck.tiny:

@@ -6,6 +6,7 @@ target's, and `DSpineConfig.from_target` derives them from any Hugging Face caus
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, ClassVar, Literal
 
@@ -39,7 +40,11 @@ class DSpineConfig(PreTrainedConfig):
     r"""Configuration of a DSpine draft (a DFlash block drafter with adjacent injection).
 
     Architecture fields mirror the target (`hidden_size`, heads, `head_dim`, `intermediate_size`,
-    `rope_parameters`, `vocab_size`); `from_target` fills them in.
+    `rope_parameters`, `vocab_size`); `from_target` fills them in (`target_fields`). The other
+    fields (`draft_fields()`: the draft and objective fields below, `attention_bias`,
+    `initializer_range`) are the draft's own; their defaults here are the only ones (the
+    training recipe schema derives its `model.<field>` settings from them) and describe the
+    published Qwen3-8B draft.
 
     Draft fields:
         num_layers: number of draft decoder layers N.
@@ -71,6 +76,17 @@ class DSpineConfig(PreTrainedConfig):
     """
 
     model_type: ClassVar[str] = "dspine"
+    # Fields `from_target` takes from the target (`target_derived_fields`); a recipe never
+    # sets them.
+    target_fields: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+        "max_position_embeddings", "rope_parameters", "target_num_layers",
+        "target_name_or_path", "target_model_type", "target_vocab_size",
+    )
+    # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
+    # own to tie (it borrows the target's).
+    fixed_fields: ClassVar[tuple[str, ...]] = ("tie_word_embeddings",)
 
     # Architecture mirrored from the target.
     vocab_size: int = 151936
@@ -127,12 +143,28 @@ class DSpineConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.check_consistency()
 
+    # ------------------------------------------------------------------ field groups
+    @classmethod
+    def own_fields(cls) -> dict[str, dataclasses.Field]:
+        """The fields DSpineConfig declares (not PreTrainedConfig's), in declaration order."""
+        own = [name for name, kind in DSpineConfig.__annotations__.items()
+               if not str(kind).startswith("ClassVar")]
+        by_name = {f.name: f for f in dataclasses.fields(DSpineConfig)}
+        return {name: by_name[name] for name in own}
+
+    @classmethod
+    def draft_fields(cls) -> dict[str, dataclasses.Field]:
+        """The fields a training recipe may set (`model.<name>`): every own field that is
+        neither taken from the target (`target_fields`) nor fixed (`fixed_fields`). Their
+        defaults here are the only defaults; the recipe schema is derived from them."""
+        skip = set(cls.target_fields) | set(cls.fixed_fields)
+        return {name: f for name, f in cls.own_fields().items() if name not in skip}
+
     # ------------------------------------------------------------------ strict loading
     @classmethod
     def export_fields(cls) -> list[str]:
         """The fields every draft `config.json` holds (`save_pretrained` writes them all)."""
-        return ["model_type"] + [name for name, kind in DSpineConfig.__annotations__.items()
-                                 if not str(kind).startswith("ClassVar")]
+        return ["model_type", *cls.own_fields()]
 
     @classmethod
     def check_export_dict(cls, config_dict: dict[str, Any], source: str) -> None:
@@ -239,6 +271,32 @@ class DSpineConfig(PreTrainedConfig):
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    def target_derived_fields(
+        cls, target_config: PreTrainedConfig, used_vocab_size: int | None
+    ) -> dict[str, Any]:
+        """The `target_fields` of a draft for `target_config`: its architecture (hidden size,
+        heads, head dim, MLP width, RoPE, vocabulary, norm epsilon), depth and identity."""
+        target_config = getattr(target_config, "text_config", None) or target_config
+        num_heads = target_config.num_attention_heads
+        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // num_heads
+        return {
+            "vocab_size": target_config.vocab_size,
+            "hidden_size": target_config.hidden_size,
+            "intermediate_size": target_config.intermediate_size,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or num_heads,
+            "head_dim": head_dim,
+            "hidden_act": getattr(target_config, "hidden_act", "silu"),
+            "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
+            "max_position_embeddings": getattr(target_config, "max_position_embeddings", 32768),
+            "rope_parameters": _rope_parameters_of(target_config),
+            "target_num_layers": target_config.num_hidden_layers,
+            "target_model_type": getattr(target_config, "model_type", None),
+            "target_name_or_path": getattr(target_config, "_name_or_path", None) or None,
+            "target_vocab_size": used_vocab_size,
+        }
+
+    @classmethod
     def from_target(
         cls,
         target_config: PreTrainedConfig,
@@ -255,26 +313,9 @@ class DSpineConfig(PreTrainedConfig):
         given in `overrides`. Any other field can be overridden.
         """
         target_config = getattr(target_config, "text_config", None) or target_config
-        num_heads = target_config.num_attention_heads
-        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // num_heads
         if tokenizer is not None:
             used_vocab_size = len(tokenizer)
-        fields: dict[str, Any] = {
-            "vocab_size": target_config.vocab_size,
-            "hidden_size": target_config.hidden_size,
-            "intermediate_size": target_config.intermediate_size,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": getattr(target_config, "num_key_value_heads", None) or num_heads,
-            "head_dim": head_dim,
-            "hidden_act": getattr(target_config, "hidden_act", "silu"),
-            "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
-            "max_position_embeddings": getattr(target_config, "max_position_embeddings", 32768),
-            "rope_parameters": _rope_parameters_of(target_config),
-            "target_num_layers": target_config.num_hidden_layers,
-            "target_model_type": getattr(target_config, "model_type", None),
-            "target_name_or_path": getattr(target_config, "_name_or_path", None) or None,
-            "target_vocab_size": used_vocab_size,
-        }
+        fields = cls.target_derived_fields(target_config, used_vocab_size)
         fields.update(overrides)
         num_layers = fields.setdefault("num_layers", cls.num_layers)
         if fields.get("target_layer_ids") is None:

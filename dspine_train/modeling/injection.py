@@ -50,6 +50,28 @@ class AdjacentInjection(nn.Module):
         rms = hidden.float().pow(2).mean(-1, keepdim=True).add(self.eps).sqrt().to(hidden.dtype)
         return hidden + rms * update
 
+    def inject(
+        self,
+        layer: int,
+        blocks: torch.Tensor,
+        anchor_codes: torch.Tensor,
+        true_pred_codes: torch.Tensor | None = None,
+        replace_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The injection after `layer` on blocks (..., Bk, H); anchor_codes (..., r).
+
+        Returns the updated blocks (slot 0, the anchor, unchanged) and the slots' pre-injection
+        features (..., Bk-1, r). `true_pred_codes` (..., Bk-1, r) replace the predicted
+        predecessor features of the blocks in `replace_mask` (...,) (the replacement curriculum).
+        """
+        slots = blocks[..., 1:, :]
+        f_recv = self.features(layer, slots)
+        f_pred = predecessor_features(f_recv, anchor_codes)
+        if replace_mask is not None and true_pred_codes is not None:
+            f_pred = torch.where(replace_mask[..., None, None], true_pred_codes, f_pred)
+        updated = self.write(layer, slots, f_recv, f_pred)
+        return torch.cat((blocks[..., :1, :], updated), dim=-2), f_recv
+
 
 def predecessor_features(
     features: torch.Tensor, anchor_codes: torch.Tensor

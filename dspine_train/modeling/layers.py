@@ -184,7 +184,11 @@ class DSpineMLP(nn.Module):
 
 
 class DSpineDecoderLayer(nn.Module):
-    """One draft layer: pre-norm attention over [context ; block], then a pre-norm MLP."""
+    """One draft layer: pre-norm attention over [context ; block], then a pre-norm MLP.
+
+    The attention itself is split around the context: `block_qkv` gives the block's q/k/v, a
+    context provider (`layer_stack`) attends them over the context, `finish` adds the residuals.
+    """
 
     def __init__(self, config: DSpineConfig) -> None:
         super().__init__()
@@ -201,18 +205,7 @@ class DSpineDecoderLayer(nn.Module):
         k, v = self.self_attn.project_kv(x, cos, sin)
         return self.self_attn.project_q(x, cos, sin), k, v
 
-    def finish(
-        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        mask: AttentionMask,
-    ) -> torch.Tensor:
-        """Residual attention with the given full K/V, then the residual MLP."""
-        hidden = hidden + self.self_attn.attend(q, k, v, mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-    def finish_cached(
-        self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """`finish` for a drafted block over the context cache (`attend_cached`)."""
-        hidden = hidden + self.self_attn.attend_cached(q, k, v, mask)
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual attention output (from the layer's context provider), then the residual MLP."""
+        hidden = hidden + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

@@ -29,7 +29,8 @@ from .attention_masks import (
 from .compiled_flex import check_flex_usable
 from .configuration_dspine import DSpineConfig
 from .context_cache import DraftContextCache
-from .injection import AdjacentInjection, predecessor_features
+from .injection import AdjacentInjection
+from .layer_stack import CachedContext, ProjectedContext, run_layer_stack
 from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding, vocab_projection
 from .transition_cache import (
     WalkResult,
@@ -247,28 +248,6 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         rows = head[cand_ids].to(pre.dtype)  # (..., K, H)
         return torch.matmul(self.norm(h), rows.transpose(-1, -2))  # (..., P, K)
 
-    def _inject(
-        self,
-        layer: int,
-        hidden: torch.Tensor,
-        anchor_codes: torch.Tensor,
-        true_pred_codes: torch.Tensor | None = None,
-        replace_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gated adjacent injection after `layer` on hidden (..., Bk, H).
-
-        Returns the updated hidden and the slots' pre-injection features (..., Bk-1, r).
-        `true_pred_codes` (..., Bk-1, r) replace the predicted predecessor features of the
-        blocks in `replace_mask` (...,) (the replacement curriculum).
-        """
-        slots = hidden[..., 1:, :]
-        f_recv = self.injection.features(layer, slots)
-        f_pred = predecessor_features(f_recv, anchor_codes)
-        if replace_mask is not None and true_pred_codes is not None:
-            f_pred = torch.where(replace_mask[..., None, None], true_pred_codes, f_pred)
-        updated = self.injection.write(layer, slots, f_recv, f_pred)
-        return torch.cat((hidden[..., :1, :], updated), dim=-2), f_recv
-
     # ------------------------------------------------------------------ training forward
     def forward(
         self,
@@ -330,38 +309,20 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         if return_layer_hidden is None:
             return_layer_hidden = cfg.token_ce_intermediate
 
-        layer_features: list[torch.Tensor] = []
-        layer_hidden: list[torch.Tensor] = []
-        pre_injection = recv = None
-        for i, layer in enumerate(self.layers):
-            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
-            q, k, v = layer.block_qkv(hidden, blk_cos, blk_sin)
-            k = torch.cat((ctx_k, k), dim=2)  # (B, kv, S + A*Bk, D)
-            v = torch.cat((ctx_v, v), dim=2)
-            hidden = layer.finish(hidden, q, k, v, mask)
-            blocks = hidden.view(bsz, num_blocks, bk, -1)  # (B, A, Bk, H)
-            if i == cfg.num_layers - 1:
-                pre_injection = blocks
-            if cfg.injection:
-                replace = replace_mask if i < cfg.replacement_layers else None
-                blocks, f_recv = self._inject(i, blocks, anchor_codes, true_pred_codes, replace)
-                if i == cfg.num_layers - 1:
-                    recv = f_recv
-            elif i == cfg.num_layers - 1:
-                recv = self.injection.features(i, blocks[..., 1:, :])
-            layer_features.append(self.injection.features(i, blocks[..., 1:, :]))
-            if return_layer_hidden:
-                layer_hidden.append(blocks)
-            hidden = blocks.reshape(bsz, num_blocks * bk, -1)
-
+        stack = run_layer_stack(
+            self.layers, self.injection, cfg, hidden, blk_cos, blk_sin,
+            ProjectedContext(ctx, ctx_cos, ctx_sin, mask), anchor_codes,
+            true_pred_codes=true_pred_codes, replace_mask=replace_mask,
+            return_layer_features=True, return_layer_hidden=return_layer_hidden,
+        )
         return DSpineTrainOutput(
-            hidden=hidden.view(bsz, num_blocks, bk, -1),
-            pre_injection=pre_injection,
-            recv_features=recv,
-            layer_features=layer_features,
+            hidden=stack.hidden,
+            pre_injection=stack.pre_injection,
+            recv_features=stack.recv_features,
+            layer_features=stack.layer_features,
             labels=labels,
             anchor_ids=anchor_ids,
-            layer_hidden=layer_hidden,
+            layer_hidden=stack.layer_hidden,
         )
 
     # ------------------------------------------------------------------ decoding
@@ -448,21 +409,11 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
         mask = inference_block_mask(cache.lengths, kv_len, bk, cfg.block_attention == "causal")
         anchor_codes = self.token_features(anchor_ids).to(dtype)  # (B, r)
-        pre = recv = None
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.block_qkv(hidden, cos, sin)
-            cache.write(i, cache.lengths, k, v)
-            keys, values = cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len]
-            hidden = layer.finish_cached(hidden, q, keys, values, mask)
-            if i == cfg.num_layers - 1:
-                pre = hidden
-            if cfg.injection:
-                hidden, f_recv = self._inject(i, hidden, anchor_codes)
-                if i == cfg.num_layers - 1:
-                    recv = f_recv
-        if recv is None:
-            recv = self.injection.features(cfg.num_layers - 1, pre[:, 1:])
-        return self.logits(hidden[:, 1:]), pre, recv
+        stack = run_layer_stack(
+            self.layers, self.injection, cfg, hidden, cos, sin,
+            CachedContext(cache, kv_len, mask), anchor_codes,
+        )
+        return self.logits(stack.hidden[:, 1:]), stack.pre_injection, stack.recv_features
 
     @torch.no_grad()
     def propose(

@@ -27,6 +27,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
+from ..checkpoint_io import replace_dir
 from .errors import TrainingError
 
 STATE_FILE = "train_state.json"
@@ -216,9 +217,9 @@ class CheckpointManager:
                 {"fingerprint": self.fingerprint, "config": self.run_config}, indent=2,
                 default=str))
             write_manifest(tmp)
-            if final.exists():  # the same step saved again (e.g. a rerun): replace it whole
-                shutil.rmtree(final)
-            tmp.rename(final)
+            # The same step saved again (e.g. a rerun) replaces the old one whole, with no
+            # moment at which neither is there.
+            replace_dir(tmp, final)
             prune_checkpoints(self.root, self.keep_last, state.best_step)
         acc.wait_for_everyone()
         return final

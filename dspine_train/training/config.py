@@ -5,19 +5,25 @@ dataclass defaults -> recipe groups -> command line and rejects an unknown key o
 before any work starts. `validate_config` adds the checks a type cannot express (ranges,
 combinations) and names the offending field.
 
-Draft fields left at `None` in `ModelConfig` take the `DSpineConfig` default (or, for the
-architecture, the target's value), so the defaults live in one place.
+The draft fields of `ModelConfig` are not listed here: `_with_draft_fields` adds every
+`DSpineConfig.draft_fields()` entry, typed as DSpineConfig declares it, with default None
+("DSpineConfig's default"), so the draft fields and their defaults live in DSpineConfig only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
+
+from ..modeling.configuration_dspine import DSpineConfig
 
 
 class ConfigError(ValueError):
@@ -38,14 +44,49 @@ class PlanDevice(StrEnum):
     cpu = "cpu"  # dense SDPA with a boolean mask
 
 
-class BlockAttention(StrEnum):
-    """Attention inside a block: causal for DSpine, bidirectional for plain DFlash."""
+def _draft_field_types() -> dict[str, Any]:
+    """The type of each `DSpineConfig.draft_fields()` entry, its annotation resolved."""
+    draft = DSpineConfig.draft_fields()
+    holder = types.SimpleNamespace(__annotations__={name: f.type for name, f in draft.items()})
+    return typing.get_type_hints(holder, globalns=vars(sys.modules[DSpineConfig.__module__]))
 
-    causal = "causal"
-    bidirectional = "bidirectional"
+
+# Attention inside a block, from `DSpineConfig.block_attention`'s Literal: "causal" (DSpine)
+# or "bidirectional" (plain DFlash). An Enum, so OmegaConf checks the value.
+BlockAttention = StrEnum(
+    "BlockAttention",
+    {value: value for value in typing.get_args(_draft_field_types()["block_attention"])},
+)
+
+
+# The Enum standing for each Literal field of DSpineConfig (OmegaConf checks Enums, not Literals).
+_LITERAL_ENUMS: dict[str, type[Enum]] = {"block_attention": BlockAttention}
+
+
+def _schema_type(name: str, kind: Any) -> Any:
+    """The schema type of draft field `name`: its `DSpineConfig` annotation made optional,
+    a Literal replaced by its Enum in `_LITERAL_ENUMS`."""
+    if typing.get_origin(kind) is typing.Literal:
+        if name not in _LITERAL_ENUMS:
+            raise TypeError(f"DSpineConfig.{name} is a Literal: add its Enum to _LITERAL_ENUMS")
+        kind = _LITERAL_ENUMS[name]
+    return kind | None
+
+
+def _with_draft_fields(cls: type) -> type:
+    """Add every `DSpineConfig.draft_fields()` entry to `cls` as an optional field with default
+    None ("DSpineConfig's default"), typed as DSpineConfig declares it; apply before
+    `@dataclass`. The draft fields and their defaults so live in DSpineConfig only."""
+    for name, kind in _draft_field_types().items():
+        if name in cls.__annotations__:
+            raise TypeError(f"ModelConfig.{name} clashes with the DSpineConfig field of that name")
+        cls.__annotations__[name] = _schema_type(name, kind)
+        setattr(cls, name, None)
+    return cls
 
 
 @dataclass
+@_with_draft_fields
 class ModelConfig:
     """The frozen target and the draft built for it.
 
@@ -64,7 +105,12 @@ class ModelConfig:
             `target_vocab_size` of the export follow from it). None: read from the tokenizer
             files in `target_path`, which a target then must have. Set it for a target
             without tokenizer files; with a tokenizer it must equal its length.
-        num_layers .. distill_mass_threshold: `DSpineConfig` fields; None keeps its default.
+
+    Besides these, every field of `DSpineConfig.draft_fields()` (`num_layers`, `block_size`,
+    `target_layer_ids`, `mask_token_id`, `loss_gamma`, ...) is a field here, typed as
+    `DSpineConfig` declares it, default None: "`DSpineConfig`'s default" (or what
+    `DSpineConfig.from_target` derives from the target: context layers, mask id, widths
+    capped by the target). `draft_overrides()` returns the ones a recipe sets.
     """
 
     target_path: str = MISSING
@@ -76,38 +122,19 @@ class ModelConfig:
     init_from: str | None = None
     used_vocab_size: int | None = None
 
-    num_layers: int | None = None
-    block_size: int | None = None
-    target_layer_ids: list[int] | None = None
-    mask_token_id: int | None = None
-    block_attention: BlockAttention | None = None
-    injection: bool | None = None
-    transfer_dim: int | None = None
-    message_size: int | None = None
-    replacement_layers: int | None = None
-    transition_cache: bool | None = None
-    candidate_k: int | None = None
-    loss_gamma: float | None = None
-    ce_weight: float | None = None
-    distill: bool | None = None
-    refine_weight: float | None = None
-    alignment_weight: float | None = None
-    alignment_warmup_steps: int | None = None
-    token_ce_intermediate: bool | None = None
-    distill_mass_threshold: float | None = None
-
     def draft_overrides(self) -> dict[str, Any]:
-        """The `DSpineConfig` fields this recipe sets (the ones that are not None)."""
-        own = {"target_path", "target_config_path", "trust_remote_code", "target_dtype", "tiny_random_target",
-               "token_table_path", "init_from", "used_vocab_size"}
+        """The `DSpineConfig` fields this recipe sets (the ones that are not None), as plain
+        values for `DSpineConfig.from_target`."""
         out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in own or value is None:
+        for name in DSpineConfig.draft_fields():
+            value = getattr(self, name)
+            if value is None:
                 continue
-            out[f.name] = value.value if isinstance(value, Enum) else value
-            if isinstance(out[f.name], list | tuple):
-                out[f.name] = [int(v) for v in out[f.name]]
+            if isinstance(value, Enum):
+                value = value.value
+            elif isinstance(value, list | tuple):
+                value = [int(v) for v in value]
+            out[name] = value
         return out
 
 

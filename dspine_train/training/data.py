@@ -214,9 +214,13 @@ class BatchStream:
         return position / self.batches_per_epoch
 
 
-def check_supervised(batches: TokenBatches) -> None:
-    """Refuse token data without one anchor (two consecutive supervised tokens) to train on."""
-    for table in batches.dataset.with_format("arrow").iter(batch_size=4096):
+def check_supervised(dataset: datasets.Dataset, role: str, where: str) -> None:
+    """Refuse token data without one anchor (two consecutive supervised tokens) to train on.
+
+    `role` names the setting ("data.train_path"), `where` the data (path and split) in the
+    `TrainingError`; without this check the first step fails deep in the objective.
+    """
+    for table in dataset.with_format("arrow").iter(batch_size=4096):
         for chunk in table.column("loss_mask").chunks:
             mask = np.asarray(chunk.flatten(), dtype=bool)
             ends = np.cumsum(np.asarray(chunk.value_lengths()))  # a row's end is no anchor pair
@@ -224,5 +228,5 @@ def check_supervised(batches: TokenBatches) -> None:
             pairs[ends[:-1][ends[:-1] > 0] - 1] = False
             if pairs.any():
                 return
-    raise TrainingError(f"{batches.role}: no row has two consecutive supervised tokens "
+    raise TrainingError(f"{role}: no row of {where} has two consecutive supervised tokens "
                         "(loss_mask 1): nothing to train on; check the loss masks of the data")

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
 from torch import nn
+
+from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir
 
 DRAFT_PREFIX = "draft."
 TOKEN_TABLE_FILE = "token_table.safetensors"
@@ -34,7 +35,8 @@ def export_draft(
     """Write the draft wrapped by `engine` (a prepared `DraftStep`) to `out_dir`.
 
     Every process must call this (ZeRO-3 gathers collectively); the main process writes into a
-    temporary directory and swaps it in, so `out_dir` is always a whole export.
+    temporary directory and swaps it in, so `out_dir` is always a whole export (the old one or
+    the new one, never missing).
     """
     state = accelerator.get_state_dict(engine)
     if not accelerator.is_main_process:
@@ -42,13 +44,13 @@ def export_draft(
         return
     draft = accelerator.unwrap_model(engine).draft
     draft_state = {k[len(DRAFT_PREFIX):]: v for k, v in state.items() if k.startswith(DRAFT_PREFIX)}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the published directory is not
-    draft.save_pretrained(tmp, state_dict=draft_state, safe_serialization=True)
-    shutil.copyfile(token_table_path, tmp / TOKEN_TABLE_FILE)
-    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    clean_dead_builds(out_dir)
+    tmp = build_dir(out_dir)
+    try:
+        draft.save_pretrained(tmp, state_dict=draft_state, safe_serialization=True)
+        shutil.copyfile(token_table_path, tmp / TOKEN_TABLE_FILE)
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str))
+        replace_dir(tmp, out_dir)  # no moment without a whole export at out_dir
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from ..chat_template import recorded_in_dataset
 from ..modeling import DSpineConfig
 from .config import TrainConfig
-from .data import load_token_dataset, split_names
+from .data import check_supervised, load_token_dataset, split_names
 from .draft_builder import draft_config_for
 from .errors import TrainingError
 from .target import load_target_config, used_vocab_size
@@ -38,6 +38,8 @@ class RunInputs:
 
 def check_inputs(config: TrainConfig) -> RunInputs:
     """Check everything a run reads; `TrainingError` names the field at fault.
+
+    Each split must hold at least one anchor (two consecutive supervised tokens).
 
     The `tiny` recipe's assets are written first when asked. Every process of a launch may
     race to write them: each writes a private copy and the first complete one is kept.
@@ -64,8 +66,10 @@ def check_inputs(config: TrainConfig) -> RunInputs:
             f"target {m.target_path!r}"
         )
     train = load_token_dataset(d.train_path, d.train_split, "data.train_path")
+    check_supervised(train, "data.train_path", f"{d.train_path!r} (split {d.train_split!r})")
     eval_set = None
     if d.eval_path or d.eval_split in split_names(d.train_path):
-        eval_set = load_token_dataset(d.eval_path or d.train_path, d.eval_split,
-                                      "data.eval_path")
+        eval_path = d.eval_path or d.train_path
+        eval_set = load_token_dataset(eval_path, d.eval_split, "data.eval_path")
+        check_supervised(eval_set, "data.eval_path", f"{eval_path!r} (split {d.eval_split!r})")
     return RunInputs(target_config, draft_config, train, eval_set)

@@ -265,9 +265,10 @@ def draft_parameter_counts(
     return counts
 
 
-def _draft_layer_parameters(cfg: PretrainedConfig) -> int:
+def _draft_layer_parameters(cfg: PretrainedConfig, attention_bias: bool = False) -> int:
     """Parameters of one draft decoder layer (the `layers` formula above with N = 1)."""
-    counts = draft_parameter_counts(cfg, draft_num_layers=1, transfer_dim=1, message_size=1)
+    counts = draft_parameter_counts(cfg, draft_num_layers=1, transfer_dim=1, message_size=1,
+                                    attention_bias=attention_bias)
     return counts["layers"]
 
 
@@ -408,6 +409,7 @@ def estimate_memory(
     headroom_fraction: float = DEFAULT_HEADROOM_FRACTION,
     target_parameters: int | None = None,
     attention_path: str = "flex",
+    attention_bias: bool = False,
 ) -> MemoryPlan:
     """Per-GPU memory of DSpine training; the items and their formulas (module docstring notation):
 
@@ -460,6 +462,7 @@ def estimate_memory(
             on the meta device).
         attention_path: the draft attention the run uses: "flex" (compiled flex attention, the
             CUDA default) or "dense" (SDPA with a boolean mask, the CPU path).
+        attention_bias: the draft's `attention_bias` (biases on its q/k/v/o projections).
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage!r}")
@@ -503,6 +506,7 @@ def estimate_memory(
         transfer_dim=transfer_dim,
         message_size=message_size,
         num_context_layers=n,
+        attention_bias=attention_bias,
     )
     draft_params = sum(counts.values())
     if target_parameters is None:
@@ -551,7 +555,7 @@ def estimate_memory(
         ),
     ]
     if zero_stage == 3:
-        largest_module = max(_draft_layer_parameters(cfg), counts["fc"])
+        largest_module = max(_draft_layer_parameters(cfg, attention_bias), counts["fc"])
         items.append(
             MemoryItem(
                 "ZeRO-3 gathered modules",

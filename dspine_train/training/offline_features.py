@@ -31,11 +31,17 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ..owned_dir import build_dir, check_replaceable, clean_dead_builds, replace_dir
+from ..checkpoint_io import (
+    WeightsError,
+    build_dir,
+    clean_dead_builds,
+    open_safetensors,
+    replace_dir,
+)
+from ..owned_dir import check_replaceable
 from .data import TokenBatches
 from .errors import TrainingError
 from .target import TargetFeatures
@@ -217,7 +223,11 @@ class OfflineFeatures:
         shard = self.index["shards"][i]
         handle = self._handles.get(shard["file"])
         if handle is None:
-            handle = safe_open(str(self.dir / shard["file"]), framework="pt")
+            try:
+                handle = open_safetensors(self.dir / shard["file"])
+            except WeightsError as err:
+                raise TrainingError(f"data.offline_features_dir: {err}; recreate the cache "
+                                    "with `python -m data_prep.cache_features`") from None
             self._handles[shard["file"]] = handle
         return handle, row - shard["first_row"]
 

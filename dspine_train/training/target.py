@@ -12,15 +12,14 @@ DeepSpeed. One forward of its *base model* (no lm_head, so no (B, S, V) logits) 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from ..checkpoint_io import SafetensorsWeights, WeightsError
 from .errors import TrainingError
 
 # Files of which a tokenizer has at least one; without them transformers makes a placeholder.
@@ -130,27 +129,20 @@ def read_embedding_and_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's `embed_tokens` and `lm_head` weights (V, H) read straight from its
     safetensors files, without building the model (offline-feature training needs only these).
     A tied head returns the embedding twice."""
-    root = Path(path)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        files = {k: root / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    elif (root / "model.safetensors").is_file():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            files = dict.fromkeys(f.keys(), root / "model.safetensors")
-    else:
-        raise TrainingError(f"model.target_path: no safetensors checkpoint in {path!r}")
+    try:
+        with SafetensorsWeights(path) as weights:
 
-    def read(suffix: str) -> torch.Tensor | None:
-        names = [k for k in files if k.endswith(suffix)]
-        if not names:
-            return None
-        with safe_open(str(files[names[0]]), framework="pt") as f:
-            return f.get_tensor(names[0])
+            def read(suffix: str) -> torch.Tensor | None:
+                names = [k for k in weights.keys() if k.endswith(suffix)]
+                return weights.get_tensor(names[0]) if names else None
 
-    embed = read("embed_tokens.weight")
-    if embed is None:
-        raise TrainingError(f"model.target_path: {path!r} has no *embed_tokens.weight tensor")
-    head = read("lm_head.weight")
+            embed = read("embed_tokens.weight")
+            if embed is None:
+                raise TrainingError(
+                    f"model.target_path: {path!r} has no *embed_tokens.weight tensor")
+            head = read("lm_head.weight")
+    except WeightsError as err:
+        raise TrainingError(f"model.target_path: {err}") from None
     return embed, embed if head is None else head
 
 

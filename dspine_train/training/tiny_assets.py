@@ -25,6 +25,8 @@ import datasets
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from ..checkpoint_io import build_dir, publish_dir
+
 TINY_VOCAB = 512
 # Ids >= TINY_USED_VOCAB are never generated: they play the tokenizer's unused ids, one of
 # which is the draft's mask token (the tiny recipe uses 511).
@@ -92,16 +94,6 @@ def tiny_target_config() -> Qwen3Config:
     )
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """Move a finished temporary directory to `path` (another process may have won the race)."""
-    try:
-        tmp.rename(path)
-    except OSError:
-        if not path.exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def write_tiny_target(path: str | Path, seed: int = 0) -> None:
     """Save a tiny random Qwen3 causal LM (safetensors) at `path` unless it already exists."""
     path = Path(path)
@@ -110,11 +102,13 @@ def write_tiny_target(path: str | Path, seed: int = 0) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(tiny_target_config())
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the published directory is not
-    model.save_pretrained(tmp, safe_serialization=True)
-    write_tiny_tokenizer(tmp)
-    _publish(tmp, path)
+    tmp = build_dir(path)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        write_tiny_tokenizer(tmp)
+        publish_dir(tmp, path)  # another process may have won the race
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @torch.no_grad()
@@ -179,7 +173,9 @@ def write_synthetic_dataset(
         train=full.select(range(num_eval, num_sequences)),
         eval=full.select(range(num_eval)),
     )
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the published directory is not
-    splits.save_to_disk(str(tmp))
-    _publish(tmp, path)
+    tmp = build_dir(path)
+    try:
+        splits.save_to_disk(str(tmp))
+        publish_dir(tmp, path)  # another process may have won the race
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
