@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import datasets
 from transformers import PretrainedConfig
 
+from ..chat_template import recorded_in_dataset
 from ..modeling import DSpineConfig
 from .config import TrainConfig
 from .data import check_supervised, check_token_absent, load_token_dataset, split_names
@@ -54,6 +55,10 @@ def check_inputs(config: TrainConfig) -> RunInputs:
     # A tokenizer that uses every row leaves only its reserved tokens for the mask id.
     tokenizer = load_target_tokenizer(m.target_path) if used >= target_config.vocab_size else None
     draft_config = draft_config_for(m, target_config, used, tokenizer)
+    # How the training rows were rendered travels with the export: the engine renders prompts
+    # the same way and warns when serving with another template (`dspine_train.chat_template`).
+    for key, value in (recorded_in_dataset(d.train_path) or {}).items():
+        setattr(draft_config, key, value)
     depth = target_config.num_hidden_layers
     bad = [i for i in draft_config.target_layer_ids if not 0 <= i < depth - 1]
     if bad:
