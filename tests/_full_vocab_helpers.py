@@ -106,6 +106,13 @@ def build_full_vocab_target(path: Path, family: str, seed: int = 0,
     torch.manual_seed(seed)
     config = tiny_config(family, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if family == "gemma":
+        # With a tied head, the sqrt(H)-scaled embedding of the last token outweighs random
+        # layers and greedy decoding repeats it; strong post-norms give varied continuations.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".post_" in name:
+                    param.add_(torch.randn_like(param) * 0.5 + 30.0)
     model.save_pretrained(path)
     build_full_vocab_tokenizer(path, family)
     return model
