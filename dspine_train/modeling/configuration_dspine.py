@@ -50,7 +50,8 @@ class DSpineConfig(PreTrainedConfig):
     r"""Configuration of a DSpine draft (a DFlash block drafter with adjacent injection).
 
     Architecture fields mirror the target (`hidden_size`, heads, `head_dim`, `intermediate_size`,
-    `rope_parameters`, `vocab_size`); `from_target` fills them in (`target_fields`). The other
+    `rope_parameters`, `vocab_size`, `embed_scale`: the factor the target multiplies its input
+    embeddings by, sqrt(hidden_size) for Gemma); `from_target` fills them in (`target_fields`). The other
     fields (`draft_fields()`: the draft and objective fields below, `attention_bias`,
     `initializer_range`) are the draft's own; their defaults here are the only ones (the
     training recipe schema derives its `model.<field>` settings from them) and describe the
