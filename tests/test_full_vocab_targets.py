@@ -225,6 +225,17 @@ def test_mask_token_in_the_data_is_refused_by_name(targets, tmp_path):
         check_inputs(config)
 
 
+def test_token_check_names_the_row_of_a_reordered_dataset():
+    from dspine_train.training.data import check_token_absent
+    from dspine_train.training.errors import TrainingError
+
+    rows = [[1, 2, 3], [4, 5], [6, 7, 9], [9], [8]]
+    data = datasets.Dataset.from_dict({"input_ids": rows}).select([1, 0, 2, 3, 4])
+    check_token_absent(data, 10, "data.train_path", "here", "the mask")  # absent: no error
+    with pytest.raises(TrainingError, match=r"data.train_path: the mask occurs in row 2 of here"):
+        check_token_absent(data, 9, "data.train_path", "here", "the mask")
+
+
 # ---------------------------------------------------------------------------- engine
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_is_lossless_on_a_full_vocab_target(targets, family, tmp_path):
