@@ -16,8 +16,10 @@ How the assistant spans are found (one method for every template, no per-model r
    longer the last), the generation prompt rendered without the chat-template kwargs is tried.
 3. The span ends at the first end-of-turn token after the content start.  When the text
    between start and end-of-turn ends with the message content verbatim, the span starts at
-   the content, leaving out text the template inserted (an empty think block Qwen3 adds to a
-   final turn written without one).  The end-of-turn
+   the content, and text the template inserted before it (an empty think block Qwen3 adds to
+   a final turn written without one) is cut out of the row: the target neither saw nor wrote
+   it, so the row is exactly its prompt and its answer, as when the engine serves it (the
+   draft's context features must be those the target computes then).  The end-of-turn
    token is found once by rendering a probe conversation and taking the first special token
    after the assistant content, so it is ``<|im_end|>`` for ChatML and ``<|eot_id|>`` for
    Llama 3 without configuration.
@@ -67,6 +69,16 @@ def render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generat
                                          **(chat_template_kwargs or {}))
 
 
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's special ids: its named special tokens (``all_special_ids``) and every
+    added token flagged ``special`` (Llama-3's ``<|eot_id|>``, Gemma's ``<end_of_turn>`` are
+    only the latter in some tokenizer files)."""
+    special = set(tokenizer.all_special_ids)
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special.update(int(i) for i, token in decoder.items() if getattr(token, "special", False))
+    return special
+
+
 def end_of_turn_token(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
     """The special token the template puts right after an assistant turn's content."""
     probe = [{"role": "user", "content": "ping"},
@@ -74,7 +86,7 @@ def end_of_turn_token(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | 
     text = render(tokenizer, probe, add_generation_prompt=False,
                   chat_template_kwargs=chat_template_kwargs)
     suffix = text[text.rindex(_PROBE_CONTENT) + len(_PROBE_CONTENT):]
-    special = set(tokenizer.all_special_ids)
+    special = special_token_ids(tokenizer)
     for token_id in tokenizer(suffix, add_special_tokens=False)["input_ids"]:
         if token_id in special:
             return tokenizer.convert_ids_to_tokens(token_id)
@@ -93,6 +105,7 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message], *, end_of_turn:
     kwargs = dict(chat_template_kwargs or {})
     full = render(tokenizer, messages, add_generation_prompt=False, chat_template_kwargs=kwargs)
     spans = []
+    inserted = []  # [start, end) of template-inserted text to cut out, in order
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -119,14 +132,38 @@ def assistant_spans(tokenizer: Any, messages: Sequence[Message], *, end_of_turn:
         eot = full.find(end_of_turn, start)
         if eot < 0:
             raise TemplateError("template_mismatch", f"no {end_of_turn!r} after turn {index}")
-        # Text the template inserted around the content (an empty think block that Qwen3 adds to
-        # a final turn without one) is not the target's output: start at the content proper
-        # when it appears verbatim.  Otherwise (the template rewrote it) keep the whole turn.
+        # Text the template inserted before the content (an empty think block that Qwen3 adds
+        # to a final turn without one) is neither the target's output nor in its prompt when it
+        # wrote the turn: cut it out and start at the content proper when that appears
+        # verbatim.  Otherwise (the template rewrote the turn) keep the whole turn.
         if full[start:eot].endswith(message["content"]):
-            start = eot - len(message["content"])
+            content_start = eot - len(message["content"])
+            if content_start > start:
+                inserted.append((start, content_start))
+            start = content_start
         end = eot if message.get("truncated") else eot + len(end_of_turn)
         spans.append((start, end))
-    return full, spans
+    return _cut(full, spans, inserted)
+
+
+def _cut(text: str, spans: list[tuple[int, int]], cuts: list[tuple[int, int]],
+         ) -> tuple[str, list[tuple[int, int]]]:
+    """``text`` without the ``cuts`` ranges, and ``spans`` moved to match (no span overlaps a
+    cut: each cut ends where its turn's span starts)."""
+    if not cuts:
+        return text, spans
+    pieces, shifts, last, removed = [], [], 0, 0
+    for start, end in cuts:
+        pieces.append(text[last:start])
+        removed += end - start
+        shifts.append((end, removed))
+        last = end
+    pieces.append(text[last:])
+
+    def moved(position: int) -> int:  # minus everything cut before it
+        return position - next((total for end, total in reversed(shifts) if position >= end), 0)
+
+    return "".join(pieces), [(moved(a), moved(b)) for a, b in spans]
 
 
 def tokenize_conversation(tokenizer: Any, messages: Sequence[Message], *, end_of_turn: str,

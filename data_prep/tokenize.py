@@ -47,6 +47,7 @@ from data_prep.readers import read_rows
 from data_prep.schema import DataError, SkippedRow
 from data_prep.shards import shard_paths
 from data_prep.sources import is_heldout
+from dspine_train.chat_template import chat_template_fingerprint
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
 from dspine_train.owned_dir import check_replaceable, write_marker
 
@@ -254,6 +255,8 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, output_dir: str 
                          "eval_fraction": eval_fraction, "seed": seed,
                          "end_of_turn": encoder.end_of_turn,
                          "chat_template_kwargs": encoder.chat_template_kwargs,
+                         # the trainer copies both into the draft's export (engine check)
+                         "chat_template_fingerprint": chat_template_fingerprint(tokenizer),
                          "inputs": [str(p) for p in paths]},
         }
         (dataset_dir / SPLITS_FILE).write_text(json.dumps(ids) + "\n")

@@ -89,14 +89,17 @@ class BenchResult:
     split: dict[str, Any] = field(default_factory=dict)
 
 
-def encode_messages(tokenizer: Any, prompts: Sequence[Messages]) -> list[list[int]]:
-    """Token ids of chat prompts, through the chat template (as the engine encodes a prompt)."""
+def encode_messages(tokenizer: Any, prompts: Sequence[Messages],
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+    """Token ids of chat prompts, through the chat template (as the engine encodes a prompt),
+    rendered with `chat_template_kwargs` (the engine's: those of the draft's training rows)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise BenchmarkError("the target has no tokenizer with a chat template; the benchmarks "
                              "are chat prompts")
     encoded = []
     for messages in prompts:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
         encoded.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return encoded
 
@@ -147,7 +150,8 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
     if engine.draft is None:
         raise BenchmarkError("the engine has no draft to evaluate")
     g = engine.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
-    encoded = [encode_messages(engine.tokenizer, bench.prompts) for bench in loaded]
+    kwargs = getattr(engine, "chat_template_kwargs", None)
+    encoded = [encode_messages(engine.tokenizer, bench.prompts, kwargs) for bench in loaded]
 
     warm = encoded[0][:1]  # one-time allocations and lazy inits stay out of the timings
     engine.generate(warm, max_new_tokens=4, chat=False, num_draft_tokens=g)
@@ -199,10 +203,11 @@ def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchm
         tokenizer = AutoTokenizer.from_pretrained(str(target))
     except (OSError, ValueError) as err:
         raise BenchmarkError(f"{target}: cannot load the target's tokenizer ({err})") from err
-    longest = max(len(ids) for bench in benches
-                  for ids in encode_messages(tokenizer, bench.prompts))
     draft_config = json.loads((Path(draft) / "config.json").read_text()) \
         if (Path(draft) / "config.json").is_file() else {}
+    kwargs = draft_config.get("chat_template_kwargs")
+    longest = max(len(ids) for bench in benches
+                  for ids in encode_messages(tokenizer, bench.prompts, kwargs))
     block = int(draft_config.get("block_size", 16))
     return Engine.from_pretrained(target, draft, device=device, tokenizer=tokenizer,
                                   max_batch_size=batch_size,

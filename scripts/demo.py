@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-draft-tokens", default="full",
                     help="values of g (drafts verified per round) to compare, full = block - 1; "
                          "the first runs at every temperature, the others at the first only")
+    ev.add_argument("--parity-rows", type=int, default=20,
+                    help="rows of the eval split for the parity check (engine vs the trainer's "
+                         "simulated evaluation on the same blocks, whole responses); 0 skips it")
     return p
 
 
@@ -395,9 +398,33 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
     (out / "results.md").write_text(results_markdown(results))
     plot_results(results, out / "acceptance.png")
     rows = [r for rs in results.values() for r in rs]
-    return {"lossless": all(r.lossless is not False for r in rows),
-            "lossless_checked": sum(r.lossless is not None for r in rows),
-            "results": str(out / "results.json")}
+    summary = {"lossless": all(r.lossless is not False for r in rows),
+               "lossless_checked": sum(r.lossless is not None for r in rows),
+               "results": str(out / "results.json")}
+    if args.parity_rows > 0:
+        summary.update(run_parity_check(demo, draft))
+    return summary
+
+
+def run_parity_check(demo: Demo, draft: Path) -> dict[str, Any]:
+    """The parity check on the eval split (`dspine_train.parity`): writes eval/parity.{json,md}
+    and returns the figures the final report prints."""
+    import torch
+
+    from dspine_train.parity import parity_from_dataset
+
+    report = parity_from_dataset(demo.target, draft, demo.path("data", "tokenized"),
+                                 split="eval", limit=demo.args.parity_rows,
+                                 device="cuda" if torch.cuda.is_available() else "cpu")
+    out = demo.path("eval")
+    write_json(out / "parity.json", report.to_json())
+    (out / "parity.md").write_text(report.markdown())
+    return {"parity_engine_tau": report.engine.tau,
+            "parity_same_anchors_tau": report.simulated_same_anchors.tau,
+            "parity_walk_tau": report.simulated_walk.tau,
+            "parity_trainer_tau": report.simulated_all_anchors.tau,
+            "parity_mismatched_rounds": report.mismatched_rounds,
+            "parity_rounds": report.engine.blocks, "parity_warnings": report.warnings}
 
 
 # ---------------------------------------------------------------------------------- training config
@@ -470,6 +497,7 @@ SPECS: dict[str, StageSpec] = {
     "export": StageSpec(("train",), lambda a: {}, ("draft",)),
     "evaluate": StageSpec(("export",), lambda a: {
         "bench": a.bench, "prompts": a.eval_prompts, "max_new_tokens": a.eval_max_new_tokens,
+        "parity_rows": a.parity_rows,
         "temperatures": a.temperatures, "g": a.num_draft_tokens}, ("eval",)),
 }
 
@@ -534,6 +562,9 @@ def final_report(demo: Demo, records: dict[str, dict[str, Any]], ran: dict[str, 
     results_md = demo.path("eval", "results.md")
     if results_md.is_file():
         lines.append(results_md.read_text())
+    parity_md = demo.path("eval", "parity.md")
+    if parity_md.is_file():  # the two figures side by side, with any >2 SE warning
+        lines += ["", parity_md.read_text()]
     return "\n".join(lines)
 
 
@@ -545,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         forced = set(parse_list(args.force, STAGES, "--force")) if args.force else set()
         if args.threads is not None and args.threads < 1:
             raise DemoError("--threads must be >= 1")
+        if args.parity_rows < 0:
+            raise DemoError("--parity-rows must be >= 0 (0 skips the parity check)")
         if args.num_prompts < 2 or args.steps < 1:
             raise DemoError("--num-prompts must be >= 2 and --steps >= 1")
         if args.threads:
@@ -581,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + report)
     print(f"[demo] report: {demo.path('demo_report.md')}")
     evaluated = records.get("evaluate")
+    for warning in (evaluated or {}).get("summary", {}).get("parity_warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
     if evaluated and not evaluated["summary"]["lossless"]:
         print("error: speculative output differed from plain decoding at T=0", file=sys.stderr)
         return 1

@@ -11,6 +11,16 @@ as ``NAME=DIR`` to name the variant (default: the directory name). Writes ``resu
 ``results.md`` and ``acceptance.png`` to ``--out`` and prints the markdown. At temperature 0 each
 prompt's speculative output is compared with plain decoding (lossless check); the exit status is
 1 on bad input and 3 when that check fails.
+
+Parity mode (``--parity --data DIR``): on the rows of a tokenised dataset (``--split``, the
+trainer's held-out ``eval`` split by default) the engine decodes each prompt at T=0 and the
+trainer's simulated evaluation runs on the same teacher-forced rows at the engine's anchors
+(`dspine_train.parity`). Prints per-position acceptance of both with SEs, the paired
+difference, the trainer's every-anchor figure and the engine's walk replayed on it, and
+warnings when they differ by more than 2 SE; writes ``parity.json`` and ``parity.md``.
+
+    python scripts/eval_acceptance.py --parity --target artifacts/default_target \
+        --draft artifacts/demo/draft --data artifacts/demo/data/tokenized --limit 20 --out out
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from dspine_train.eval_harness import (
 )
 
 EXIT_BAD_INPUT = 1
+_DTYPES = ("bfloat16", "float16", "float32")
 EXIT_NOT_LOSSLESS = 3
 
 
@@ -62,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bench", default="humaneval,sharegpt",
                         help="comma-separated: humaneval, sharegpt, or JSONL paths")
     parser.add_argument("--temperatures", type=_floats, default=[0.0, 1.0])
-    parser.add_argument("--limit", type=int, default=8, help="prompts per benchmark")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, default=8,
+                        help="prompts per benchmark (--parity: rows of the split)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="new tokens per prompt (default 64; --parity: whole responses)")
     parser.add_argument("--num-draft-tokens", type=int, default=None,
                         help="drafts verified per round, g (default: block size - 1)")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
@@ -72,12 +85,56 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parity = parser.add_argument_group("parity mode")
+    parity.add_argument("--parity", action="store_true",
+                        help="engine vs the trainer's simulated evaluation on dataset rows")
+    parity.add_argument("--data", type=Path, default=None,
+                        help="tokenised dataset directory (data_prep.tokenize output)")
+    parity.add_argument("--split", default="eval", help="dataset split (default: eval)")
+    parity.add_argument("--dtype", choices=_DTYPES, default="float32",
+                        help="dtype of the target and draft in both paths (default: float32)")
     return parser
+
+
+def run_parity_mode(args: argparse.Namespace) -> int:
+    """`--parity`: the check of `dspine_train.parity` on `--data`; writes parity.json/.md."""
+    import json
+
+    import torch
+
+    from dspine_train.parity import parity_from_dataset
+    from dspine_train.training.errors import TrainingError
+
+    if args.data is None or len(args.draft) != 1:
+        print("error: --parity needs --data and exactly one --draft", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        report = parity_from_dataset(
+            args.target, args.draft[0][1], args.data, split=args.split, limit=args.limit,
+            max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+            device=device, dtype=getattr(torch, args.dtype))
+    except (TrainingError, ValueError, OSError, CheckpointError, IncompatibleDraftError,
+            GenerationInputError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "parity.json").write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    markdown = report.markdown()
+    (args.out / "parity.md").write_text(markdown)
+    print(markdown)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"wrote {args.out / 'parity.json'}, parity.md")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.parity:
+        return run_parity_mode(args)
+    args.max_new_tokens = args.max_new_tokens or 64
     benches = [b.strip() for b in args.bench.split(",") if b.strip()]
     names = [name for name, _ in args.draft]
     if len(set(names)) != len(names):

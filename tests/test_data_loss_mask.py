@@ -105,12 +105,20 @@ def test_qwen3_multi_turn_history_drops_reasoning(qwen3, thinking):
     assert got == history + tail
 
 
-def test_qwen3_template_inserted_empty_think_block_is_not_supervised(qwen3):
+def test_qwen3_template_inserted_empty_think_block_is_left_out_of_the_row(qwen3):
     # Thinking on (template default) but the answer has no reasoning: the template inserts an
-    # empty block the target did not write.
+    # empty block the target neither saw in its prompt nor wrote. The row is the prompt and the
+    # answer as the target produced them (and as the engine serves: the draft's context
+    # features are those of this prefix), so the block is cut out, not only unsupervised.
     got = masked(qwen3, [user("hi there"), assistant("hello friend")])
-    assert got.endswith("<|im_start|> assistant \\n <think> \\n \\n </think> \\n \\n"
+    assert got.endswith("<|im_end|> \\n <|im_start|> assistant \\n"
                         " [hello] [friend] [<|im_end|>] \\n")
+    # in a longer conversation the spans after the cut still land on their tokens
+    got = masked(qwen3, [user("hi there"), assistant("hello friend"), user("add two numbers"),
+                         assistant("sum it")])
+    assert got.endswith("<|im_start|> user \\n add two numbers <|im_end|> \\n"
+                        " <|im_start|> assistant \\n [sum] [it] [<|im_end|>] \\n")
+    assert "[hello] [friend] [<|im_end|>]" in got
 
 
 def test_end_of_turn_inside_content_is_rejected(qwen25):

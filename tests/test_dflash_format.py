@@ -259,6 +259,26 @@ def test_draft_made_by_the_reference_class_imports_here(world, tmp_path):
     assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)
 
 
+def test_embedding_scale_round_trips_as_input_embedding_scale(world, tmp_path):
+    """A target that scales its input embeddings (Gemma: sqrt(H)): our `embed_scale` is the
+    reference's `dflash_config.input_embedding_scale`, both ways."""
+    hf = world["hf"]
+    draft = tiny_draft(hf, VOCAB, method="dflash", embed_scale=8.0)
+    draft.save_pretrained(tmp_path / "ours")
+    export_dir(tmp_path / "ours", tmp_path / "dfl", "dflash")
+    fields = json.loads((tmp_path / "dfl" / "config.json").read_text())
+    assert fields["dflash_config"]["input_embedding_scale"] == 8.0
+    theirs = DFlashDraftModel.from_pretrained(str(tmp_path / "dfl")).eval()
+    back = _bound(load_draft(tmp_path / "dfl"), hf)
+    assert back.config.embed_scale == 8.0
+    _, feats = hf_features(hf, world["prompts"][1], draft.config.target_layer_ids)
+    torch.testing.assert_close(our_block_logits(back, feats, 42),
+                               reference_block_logits(theirs, hf, feats, 42),
+                               rtol=1e-5, atol=1e-5)
+    unscaled = our_block_logits(_bound(load_draft(world["root"] / "ours"), hf), feats, 42)
+    assert not torch.allclose(our_block_logits(back, feats, 42), unscaled)
+
+
 def test_a_dflash_checkpoint_with_foreign_tensors_is_refused(world, tmp_path):
     root = world["root"]
     export_dir(root / "ours", tmp_path / "d", "dflash")

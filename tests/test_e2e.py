@@ -80,6 +80,19 @@ def test_pipeline_end_to_end_is_lossless_and_cached(demo_run: dict[str, Path]) -
     assert (out / "eval" / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     assert "Acceptance length tau" in (out / "demo_report.md").read_text()
 
+    # The parity check on the eval split: the engine and the trainer's simulated evaluation
+    # accept the same drafts on the same blocks; the report shows both figures side by side.
+    parity = json.loads((out / "eval" / "parity.json").read_text())
+    assert parity["engine"]["blocks"] > 0 and parity["mismatched_rounds"] == 0
+    # The eval rows are the target's greedy answers to their prompts, with no template-inserted
+    # text (an empty think block) between them, so the engine reproduces them; not all: this
+    # random target has near-tied logits (batched regeneration may break a tie another way)
+    # and writes think tags that the Qwen3 template then reformats.
+    assert sum(bool(row["reproduces_row"]) for row in parity["rows"]) >= 2
+    evaluated = records["evaluate"]["summary"]
+    assert evaluated["parity_rounds"] == parity["engine"]["blocks"]
+    assert "simulated, engine's walk" in (out / "demo_report.md").read_text()
+
     # The exported draft, loaded the way a user loads it: speculative == plain decoding.
     torch.manual_seed(0)
     engine = Engine.from_pretrained(target, out / "draft", max_batch_size=3)

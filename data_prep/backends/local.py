@@ -18,6 +18,7 @@ import torch
 
 from data_prep.backends import Reply, RowOutcome, TurnByTurn
 from data_prep.config import LocalBackendConfig, SamplingConfig
+from data_prep.loss_mask import TemplateError, end_of_turn_token
 from data_prep.schema import Conversation, DataError
 
 _CHUNK_BATCHES = 4  # batches of rows per chunk: enough to sort by length, small enough to stream
@@ -64,6 +65,15 @@ class LocalBackend:
         stop = self.model.generation_config.eos_token_id
         self.stop_ids = set(stop if isinstance(stop, list) else [stop])
         self.stop_ids.add(self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token))
+        # The template's own end-of-turn token (`<|eot_id|>`, `<end_of_turn>`) ends a reply even
+        # when the checkpoint's eos is another token (a base model's `<|end_of_text|>`).
+        try:
+            end_of_turn = end_of_turn_token(self.tokenizer, sampling.chat_template_kwargs())
+        except (TemplateError, ValueError):
+            end_of_turn = None  # tokenisation names the template problem, with the row
+        if end_of_turn is not None:
+            self.stop_ids.add(self.tokenizer.convert_tokens_to_ids(end_of_turn))
+        self.stop_ids.discard(None)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.generator_seeded = False
 

@@ -56,6 +56,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run CUDA steps eager")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\' '
+        "(default: what the draft's export records, i.e. how its training rows were rendered)",
+    )
 
 
 def engine_argument_problem(args: argparse.Namespace) -> str | None:
@@ -70,6 +76,13 @@ def engine_argument_problem(args: argparse.Namespace) -> str | None:
         return f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
     if device.type == "cuda" and not torch.cuda.is_available():
         return f"--device {args.device}: CUDA is not available here (use --device cpu)"
+    if args.chat_template_kwargs is not None:
+        try:
+            value = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as err:
+            return f"--chat-template-kwargs is not JSON ({err})"
+        if not isinstance(value, dict):
+            return f"--chat-template-kwargs must be a JSON object, got {args.chat_template_kwargs}"
     return None
 
 
@@ -82,6 +95,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     kwargs = {"max_batch_size": args.batch_size, "cuda_graphs": not args.no_cuda_graphs}
     if args.max_seq_len is not None:
         kwargs["max_seq_len"] = args.max_seq_len
+    if args.chat_template_kwargs is not None:
+        kwargs["chat_template_kwargs"] = json.loads(args.chat_template_kwargs)
     return Engine.from_pretrained(
         args.target,
         args.draft,

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dspine_train.chat_template import KWARGS_KEY, template_mismatch
 from dspine_train.engine.acceptance import (
     Acceptance,
     clip_at_eos,
@@ -84,6 +86,7 @@ class Engine:
         strict_graphs: bool = False,
         kv_bucket_size: int = 256,
         compile_backend: str = "inductor",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if kv_bucket_size < 1:
             raise GenerationInputError(f"kv_bucket_size must be >= 1, got {kv_bucket_size}")
@@ -99,8 +102,17 @@ class Engine:
         self.block_size = 1
         self.draft_cache: Any | None = None
         self._draft_caches: dict[int, Any] = {}
+        # Text prompts render as the draft's training rows did (e.g. Qwen3's enable_thinking),
+        # unless the caller says otherwise; a different template is warned about.
+        recorded = getattr(draft.config, KWARGS_KEY, None) if draft is not None else None
+        self.chat_template_kwargs = dict(
+            chat_template_kwargs if chat_template_kwargs is not None else recorded or {}
+        )
         if draft is not None:
             check_draft_fits_target(draft.config, target, tokenizer)
+            mismatch = template_mismatch(draft.config, tokenizer, self.chat_template_kwargs)
+            if mismatch:
+                warnings.warn(mismatch, stacklevel=2)
             self.block_size = int(draft.config.block_size)
             draft.to(device=self.device, dtype=target.dtype).eval()
             draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
@@ -275,13 +287,15 @@ class Engine:
         seed: int,
     ) -> GenerationResult:
         ids = encode_prompts(
-            prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size
+            prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
         self._check_request(ids, max_new_tokens, temperature, top_p, stop, num_draft)
         speculative = num_draft > 0
         stats = GenerationStats(mode="speculative" if speculative else "autoregressive")
         stats.num_sequences, stats.prompt_tokens = len(ids), sum(len(p) for p in ids)
         stats.accepted_at = [0] * num_draft
+        stats.round_accepted = [[] for _ in ids]
         sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
         timer = StepTimer(self.device)
         states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
@@ -417,6 +431,7 @@ class Engine:
             stats.committed += num_acc + 1
             for i in range(num_acc):
                 stats.accepted_at[i] += 1
+            stats.round_accepted[b].append(num_acc)
             states[b].extend(row[:keep], ends_with_eos=eos)
             committed[b] += num_acc + 1
             if states[b].done:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +13,15 @@ Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 
 
 def encode_prompts(
-    prompts: Prompts, tokenizer: Any | None, *, chat: bool, vocab_size: int
+    prompts: Prompts,
+    tokenizer: Any | None,
+    *,
+    chat: bool,
+    vocab_size: int,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
-    """Token ids of every prompt; text goes through the chat template when `chat` is set.
+    """Token ids of every prompt; text goes through the chat template when `chat` is set,
+    rendered with `chat_template_kwargs` (e.g. `enable_thinking`, as the training rows were).
 
     Prompts given as lists of ids are used as they are. Raises `GenerationInputError` for an
     empty batch, an empty prompt, text without a tokenizer, chat without a chat template, or ids
@@ -28,7 +34,8 @@ def encode_prompts(
     encoded: list[list[int]] = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            ids = _encode_text(prompt, tokenizer, chat=chat, index=index)
+            ids = _encode_text(prompt, tokenizer, chat=chat, index=index,
+                               kwargs=chat_template_kwargs or {})
         else:
             ids = [int(i) for i in prompt]
         if not ids:
@@ -42,7 +49,9 @@ def encode_prompts(
     return encoded
 
 
-def _encode_text(text: str, tokenizer: Any | None, *, chat: bool, index: int) -> list[int]:
+def _encode_text(
+    text: str, tokenizer: Any | None, *, chat: bool, index: int, kwargs: Mapping[str, Any]
+) -> list[int]:
     if tokenizer is None:
         raise GenerationInputError(
             f"prompt {index} is text but the engine has no tokenizer; pass token ids or a tokenizer"
@@ -58,7 +67,8 @@ def _encode_text(text: str, tokenizer: Any | None, *, chat: bool, index: int) ->
         if not text.strip():
             raise GenerationInputError(f"prompt {index} is empty")
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
+            **kwargs,
         )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(text)["input_ids"])

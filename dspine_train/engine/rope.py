@@ -21,9 +21,22 @@ from dspine_train.engine.errors import CheckpointError
 _LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
-def rope_parameters(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Return `(inv_freq (head_dim // 2,), attention_scaling)` for a target's HF config."""
+def rope_layer_types(config: PretrainedConfig) -> tuple[str | None, ...]:
+    """The layer types with RoPE settings of their own (Gemma-3: `full_attention` and
+    `sliding_attention`), or `(None,)` when one setting serves every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = [key for key, value in params.items() if isinstance(value, dict)]
+    return tuple(nested) if nested else (None,)
+
+
+def rope_parameters(
+    config: PretrainedConfig, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """Return `(inv_freq (head_dim // 2,), attention_scaling)` for a target's HF config (for
+    the layers of `layer_type` when the config sets RoPE per layer type)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", "default")
     if rope_type in _LENGTH_DEPENDENT_ROPE_TYPES:
         raise CheckpointError(
@@ -38,7 +51,12 @@ def rope_parameters(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tens
         raise CheckpointError(
             f"config.json rope_parameters.rope_type={rope_type!r} is unknown to transformers"
         )
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if layer_type is None:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+            config, torch.device("cpu"), layer_type=layer_type
+        )
     return inv_freq.float(), float(scaling)
 
 
@@ -57,8 +75,9 @@ class RopeTable:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        layer_type: str | None = None,
     ) -> None:
-        inv_freq, scaling = rope_parameters(config, head_dim)
+        inv_freq, scaling = rope_parameters(config, head_dim, layer_type)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D): the rotate-half layout HF uses

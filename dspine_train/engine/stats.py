@@ -29,6 +29,11 @@ class GenerationStats:
     verifications: int = 0  # per-sequence verifications (steps x active sequences)
     committed: int = 0  # tokens committed by verifications, before EOS/length truncation
     accepted_at: list[int] = field(default_factory=list)  # per draft position
+    # Per sequence, the drafts accepted in each of its verifications, in order: round r of a
+    # sequence verified the block anchored r rounds (and sum(accepted) + r tokens) after its
+    # first new token. The parity check (`dspine_train.parity`) aligns these with the trainer's
+    # simulated evaluation on the same anchors.
+    round_accepted: list[list[int]] = field(default_factory=list)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -93,6 +98,7 @@ def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
         ):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         total.accepted_at = [a + b for a, b in zip(total.accepted_at, part.accepted_at)]
+        total.round_accepted += [list(rounds) for rounds in part.round_accepted]
     return total
 
 

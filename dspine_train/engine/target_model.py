@@ -1,4 +1,4 @@
-"""Compact causal-LM target for the engine: Qwen3, Qwen2 and Llama.
+"""Compact causal-LM target for the engine: Qwen3, Qwen2, Llama and Gemma-3 (text).
 
 One module tree with Hugging Face parameter names (`model.layers.{i}.self_attn.q_proj.weight`,
 ...) so a target's safetensors load straight into it (`weights.load_target`). The forward runs
@@ -6,8 +6,11 @@ new tokens of a ragged batch against a `StaticKVCache` and returns, from the sam
 normed hidden states and the draft's context features: the outputs of the requested layers,
 `hidden_states[l + 1]` in HF's `output_hidden_states` numbering, concatenated to `(B, T, n*H)`.
 
-The family differences are three switches: q/k RMSNorm per head (Qwen3), bias on q/k/v but not o
-(Qwen2, or `attention_bias` for Qwen3/Llama), and `mlp_bias` (Llama).
+The family differences are switches: q/k RMSNorm per head (Qwen3, Gemma-3), bias on q/k/v but
+not o (Qwen2, or `attention_bias` for Qwen3/Llama), `mlp_bias` (Llama), and Gemma-3's own:
+embeddings scaled by sqrt(hidden), RMSNorm weights applied as `1 + w`, norms after attention and
+around the MLP, the attention scale `query_pre_attn_scalar ** -0.5`, sliding-window layers with
+their own RoPE. Logit softcapping (Gemma-2) is refused.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from transformers import PretrainedConfig
 from dspine_train.engine.attention import causal_attention, masked_attention
 from dspine_train.engine.errors import CheckpointError
 from dspine_train.engine.kv_cache import StaticKVCache
-from dspine_train.engine.rope import RopeTable, apply_rope
+from dspine_train.engine.rope import RopeTable, apply_rope, rope_layer_types
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "gemma3_text")
+# Families whose layers may be sliding-window layers (`layer_types`).
+_SLIDING_MODEL_TYPES = ("gemma3_text",)
 # `hidden_act` names of these families; transformers.activations is not used because importing
 # it pulls in accelerate, which the engine must not load.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -58,6 +63,12 @@ class TargetConfig:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    embed_scale: float = 1.0  # the input embedding is multiplied by it (Gemma: sqrt(hidden))
+    sandwich_norms: bool = False  # norms after attention and before/after the MLP (Gemma)
+    norm_offset: bool = False  # RMSNorm weight applied as `1 + w`, in float32 (Gemma)
+    attn_scale: float | None = None  # softmax scale; None is 1/sqrt(head_dim)
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" / "sliding_attention"
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig) -> TargetConfig:
@@ -69,14 +80,30 @@ class TargetConfig:
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         layer_types = getattr(config, "layer_types", None) or []
-        if any(kind != "full_attention" for kind in layer_types):
+        gemma = model_type == "gemma3_text"
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise CheckpointError(
+                    f"config.json {name}={getattr(config, name)}: softcapped logits are not "
+                    f"supported by the engine"
+                )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise CheckpointError("config.json use_bidirectional_attention=true is not "
+                                  "supported by the engine (a causal LM is needed)")
+        if model_type not in _SLIDING_MODEL_TYPES and any(
+            kind != "full_attention" for kind in layer_types
+        ):
             raise CheckpointError(
                 f"config.json layer_types={sorted(set(layer_types))}: sliding-window layers "
                 f"are not supported by the engine"
             )
-        if config.hidden_act not in ACTIVATIONS:
+        # Gemma names it `hidden_activation`.
+        hidden_act = getattr(config, "hidden_act", None) or getattr(
+            config, "hidden_activation", None
+        )
+        if hidden_act not in ACTIVATIONS:
             raise CheckpointError(
-                f"config.json hidden_act={config.hidden_act!r} is not supported by the engine "
+                f"config.json hidden_act={hidden_act!r} is not supported by the engine "
                 f"(supported: {', '.join(ACTIVATIONS)})"
             )
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -91,14 +118,20 @@ class TargetConfig:
             head_dim=getattr(config, "head_dim", None)
             or config.hidden_size // config.num_attention_heads,
             rms_norm_eps=config.rms_norm_eps,
-            hidden_act=config.hidden_act,
+            hidden_act=hidden_act,
             # Qwen2 hard-codes bias on q/k/v and none on o; the others follow `attention_bias`.
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
+            embed_scale=config.hidden_size**0.5 if gemma else 1.0,
+            sandwich_norms=gemma,
+            norm_offset=gemma,
+            attn_scale=config.query_pre_attn_scalar**-0.5 if gemma else None,
+            layer_types=tuple(layer_types) if gemma else (),
+            sliding_window=getattr(config, "sliding_window", None) if gemma else None,
         )
 
 
@@ -111,17 +144,21 @@ class TargetOutput:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, in HF's order."""
+    """RMSNorm computed in float32 and cast back before the weight, in HF's order; with
+    `offset` (Gemma) the weight is applied as `1 + w` in float32 before the cast."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if offset else torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -140,9 +177,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.scale = config.attn_scale
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -170,10 +208,10 @@ class Attention(nn.Module):
         cache.write(layer, k, v, positions)
         if mask is None:
             # Prefill: every cache length is 0, so the cache holds exactly these tokens.
-            out = causal_attention(q, k, v)
+            out = causal_attention(q, k, v, scale=self.scale)
         else:
             keys, values = cache.layer_view(layer, batch, kv_len)
-            out = masked_attention(q, keys, values, mask, label="verify")
+            out = masked_attention(q, keys, values, mask, scale=self.scale, label="verify")
         # (B, heads, T, D) -> (B, T, heads * D)
         out = out.transpose(1, 2).reshape(batch, steps, self.num_heads * self.head_dim)
         return self.o_proj(out)
@@ -201,8 +239,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(size, eps, offset)
+        # Pre-MLP norm in Qwen/Llama, the norm of the attention output in Gemma.
+        self.post_attention_layernorm = RMSNorm(size, eps, offset)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(size, eps, offset)
 
     def forward(
         self,
@@ -214,7 +258,11 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_len: int,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, positions, kv_len)
+        h = self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, positions, kv_len)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -225,7 +273,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
 class TargetModel(nn.Module):
@@ -244,6 +292,8 @@ class TargetModel(nn.Module):
         self.feature_layer_ids: tuple[int, ...] = ()
         self.cache: StaticKVCache | None = None
         self.rope: RopeTable | None = None
+        # RoPE per layer type when the config sets it so (Gemma-3), else the one `rope` table.
+        self.ropes: dict[str | None, RopeTable] = {}
 
     @property
     def device(self) -> torch.device:
@@ -282,9 +332,12 @@ class TargetModel(nn.Module):
             device=self.device,
             dtype=self.dtype,
         )
-        self.rope = RopeTable(
-            self.hf_config, cfg.head_dim, max_seq_len, device=self.device, dtype=self.dtype
-        )
+        self.ropes = {
+            kind: RopeTable(self.hf_config, cfg.head_dim, max_seq_len, device=self.device,
+                            dtype=self.dtype, layer_type=kind)
+            for kind in rope_layer_types(self.hf_config)
+        }
+        self.rope = next(iter(self.ropes.values()))
 
     @torch.no_grad()
     def forward(
@@ -305,18 +358,31 @@ class TargetModel(nn.Module):
         kv_len = cache.capacity if kv_len is None else kv_len
         offsets = torch.arange(steps, device=input_ids.device)
         positions = cache.lengths[:batch, None] + offsets[None, :]  # (B, T)
-        mask = None
+        mask = sliding_mask = None
+        slots = torch.arange(kv_len, device=input_ids.device)
         if not prefill:
-            slots = torch.arange(kv_len, device=input_ids.device)
             # (B, 1, T, S): a query sees the slots at or before its own position.
             mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        rope = self.rope.lookup(positions)
+        if "sliding_attention" in self.config.layer_types:
+            # ... and a sliding layer only the last `sliding_window` of them (HF's
+            # `kv_idx > q_idx - sliding_window`), in a prefill too.
+            window = slots[None, None, :] > positions[:, :, None] - self.config.sliding_window
+            sliding_mask = (slots[None, None, :] <= positions[:, :, None]) & window
+            sliding_mask = sliding_mask.unsqueeze(1)
+        ropes = {kind: table.lookup(positions) for kind, table in self.ropes.items()}
+        layer_types = self.config.layer_types or ("full_attention",) * self.config.num_layers
 
         wanted = set(self.feature_layer_ids)
         collected: dict[int, torch.Tensor] = {}
         x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:
+            # As HF's scaled embedding: the factor cast to the weights' dtype first.
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, rope, mask, cache, index, positions, kv_len)
+            kind = layer_types[index]
+            rope = ropes[kind] if kind in ropes else ropes[None]
+            layer_mask = sliding_mask if kind == "sliding_attention" else mask
+            x = layer(x, rope, layer_mask, cache, index, positions, kv_len)
             if index in wanted:
                 collected[index] = x
         hidden = self.model.norm(x)

@@ -70,6 +70,12 @@ def check_draft_fits_target(draft_config: Any, target: TargetModel, tokenizer: A
             f"target_num_layers: draft made for {recorded_depth} layers, "
             f"target has {cfg.num_layers}"
         )
+    draft_scale = float(getattr(draft_config, "embed_scale", 1.0))
+    if abs(draft_scale - cfg.embed_scale) > 1e-6 * cfg.embed_scale:
+        problems.append(
+            f"embed_scale: draft {draft_scale}, the target scales its embeddings by "
+            f"{cfg.embed_scale}"
+        )
     recorded_vocab = getattr(draft_config, "target_vocab_size", None)
     if tokenizer is not None and recorded_vocab is not None and recorded_vocab != len(tokenizer):
         problems.append(

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from dspine_train.checkpoint_io import SafetensorsWeights, WeightsError
 from dspine_train.engine.errors import CheckpointError
-from dspine_train.engine.rope import rope_parameters
+from dspine_train.engine.rope import rope_layer_types, rope_parameters
 from dspine_train.engine.target_model import TargetConfig, TargetModel
 
 # Buffers some older exports carry; the engine computes them itself.
@@ -49,7 +49,8 @@ def load_target(
     except (ValueError, OSError, KeyError) as err:
         raise CheckpointError(f"{directory / 'config.json'}: cannot be read ({err})") from err
     config = TargetConfig.from_hf(hf_config)
-    rope_parameters(hf_config, config.head_dim)  # reject unsupported RoPE before loading weights
+    for kind in rope_layer_types(hf_config):  # reject unsupported RoPE before loading weights
+        rope_parameters(hf_config, config.head_dim, kind)
     device = torch.device(device)
     if dtype is None:
         stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)

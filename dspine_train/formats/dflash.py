@@ -8,8 +8,9 @@ What the DFlash loaders read, established from `dflash==0.1.0` (`dflash/model.py
   The loader also reads the top-level `num_target_layers` unconditionally (it is the argument of
   its default-layer helper), so it is written there as well as in `dflash_config`. `is_causal`
   absent or false with full-attention `layer_types` is attention over the whole block
-  (bidirectional); `input_embedding_scale`, `output_multiplier` and
-  `final_logit_softcapping` default to plain Qwen behaviour.
+  (bidirectional); `input_embedding_scale` (written when the target scales its embeddings,
+  our `embed_scale`), `output_multiplier` and `final_logit_softcapping` default to plain Qwen
+  behaviour (the last two are refused on import: our draft has neither).
 * `target_layer_ids` number the target's decoder layers from 0 and take layer i's *output*
   as `hidden_states[i + 1]`: the same convention as `DSpineConfig.target_layer_ids`, so the
   ids are written unchanged.
@@ -46,7 +47,6 @@ DSPINE_ONLY_PREFIXES = ("injection.", "token_codes")
 NETWORK_FIELDS = ("injection", "block_attention", "transition_cache")
 # DFlash config keys that change the network in ways this project does not implement (yet).
 UNSUPPORTED_KEYS = {
-    "input_embedding_scale": 1.0,
     "output_multiplier": 1.0,
     "final_logit_softcapping": None,
     "use_sliding_window": False,
@@ -111,12 +111,15 @@ def config_dict(config: DSpineConfig, dtype: torch.dtype) -> dict[str, Any]:
 def dflash_block(config: DSpineConfig) -> dict[str, Any]:
     """The `dflash_config` block: context layers (output of layer i = hidden_states[i + 1], our
     numbering too), mask token, block size and target depth."""
-    return {
+    block = {
         "target_layer_ids": list(config.target_layer_ids),
         "mask_token_id": config.mask_token_id,
         "block_size": config.block_size,
         "num_target_layers": config.target_num_layers,
     }
+    if config.embed_scale != 1.0:  # a target that scales its input embeddings (Gemma)
+        block["input_embedding_scale"] = config.embed_scale
+    return block
 
 
 def state_dict(draft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -185,6 +188,7 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
             rms_norm_eps=qwen.rms_norm_eps,
             max_position_embeddings=qwen.max_position_embeddings,
             rope_parameters=dict(qwen.rope_parameters),
+            embed_scale=float(value("input_embedding_scale") or 1.0),
             attention_bias=bool(qwen.attention_bias),
             num_layers=qwen.num_hidden_layers,
             target_layer_ids=value("target_layer_ids"),  # None: the same formula as DFlash's

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..modeling import DSpineDraftModel
 
@@ -39,7 +40,10 @@ def reference_block_logits(model: Any, target: Any, feats: torch.Tensor, anchor:
     size = model.block_size
     ids = torch.full((1, size), model.mask_token_id, device=feats.device)
     ids[0, 0] = anchor
-    hidden = model(target_hidden=feats[None], noise_embedding=target.get_input_embeddings()(ids),
+    scale = float((getattr(model.config, "dflash_config", None) or {}).get(
+        "input_embedding_scale", 1.0))
+    noise = F.embedding(ids, target.get_input_embeddings().weight) * scale  # as spec_generate
+    hidden = model(target_hidden=feats[None], noise_embedding=noise,
                    position_ids=torch.arange(feats.shape[0] + size, device=feats.device)[None])
     return model.compute_logits(hidden[:, 1:], target.lm_head)[0]
 

@@ -12,6 +12,12 @@ from typing import Any, ClassVar, Literal
 
 from transformers import PreTrainedConfig
 
+from .mask_token import check_mask_token, pick_mask_token_id
+
+# Families whose input embedding is scaled by sqrt(hidden_size) (transformers'
+# `Gemma3TextScaledWordEmbedding`, `embed_scale`): the draft embeds its block tokens the same way.
+_SCALED_EMBEDDING_MODEL_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target layers whose outputs feed the draft (SPEC 1), 0-based.
@@ -56,6 +62,10 @@ DERIVED_BLOCKS: tuple[str, ...] = ("dflash_config", "dspine_config", "num_target
 def _rope_parameters_of(config: PreTrainedConfig) -> dict[str, Any]:
     """RoPE settings of a target config, whichever transformers convention it uses."""
     params = getattr(config, "rope_parameters", None)
+    if params and "full_attention" in params:
+        # Per-layer-type RoPE (Gemma-3: sliding and full layers); the draft's layers attend
+        # over the whole context, as the target's full-attention layers do.
+        return dict(params["full_attention"])
     if params:
         return dict(params)
     scaling = dict(getattr(config, "rope_scaling", None) or {})
@@ -68,7 +78,8 @@ class DSpineConfig(PreTrainedConfig):
     r"""Configuration of a DSpine draft (a DFlash block drafter with adjacent injection).
 
     Architecture fields mirror the target (`hidden_size`, heads, `head_dim`, `intermediate_size`,
-    `rope_parameters`, `vocab_size`); `from_target` fills them in (`target_fields`). The other
+    `rope_parameters`, `vocab_size`, `embed_scale`: the factor the target multiplies its input
+    embeddings by, sqrt(hidden_size) for Gemma); `from_target` fills them in (`target_fields`). The other
     fields (`draft_fields()`: the draft and objective fields below, `attention_bias`,
     `initializer_range`) are the draft's own; their defaults here are the only ones (the
     training recipe schema derives its `model.<field>` settings from them) and describe the
@@ -115,8 +126,12 @@ class DSpineConfig(PreTrainedConfig):
         "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
         "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
         "max_position_embeddings", "rope_parameters", "target_num_layers",
-        "target_name_or_path", "target_model_type", "target_vocab_size",
+        "target_name_or_path", "target_model_type", "target_vocab_size", "embed_scale",
     )
+    # Fields added after drafts were first exported, with the value every older export had
+    # (all of them were made for unscaled targets, and were DSpine drafts with their switches
+    # as saved); any other missing field is an error.
+    added_fields: ClassVar[dict[str, Any]] = {"embed_scale": 1.0, "method": "dspine"}
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
     fixed_fields: ClassVar[tuple[str, ...]] = ("tie_word_embeddings",)
@@ -132,6 +147,8 @@ class DSpineConfig(PreTrainedConfig):
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 40960
     rope_parameters: dict | None = None
+    # The factor the target multiplies its input embeddings by (Gemma: sqrt(hidden_size)).
+    embed_scale: float = 1.0
     attention_bias: bool = False
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
@@ -227,9 +244,8 @@ class DSpineConfig(PreTrainedConfig):
         """`ValueError` naming the fields an export's `config.json` lacks: a draft loads only
         with every field it was saved with (a default would silently change it: random
         layers, another block size, other context layers)."""
-        # `method` came later; an export without it is a DSpine draft with its switches as saved.
-        config_dict.setdefault("method", "dspine")
-        missing = [name for name in cls.export_fields() if name not in config_dict]
+        missing = [name for name in cls.export_fields()
+                   if name not in config_dict and name not in cls.added_fields]
         if missing:
             raise ValueError(
                 f"{source}: config.json lacks {', '.join(missing)}; a DSpine draft export "
@@ -287,7 +303,9 @@ class DSpineConfig(PreTrainedConfig):
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary 0..{self.vocab_size - 1}"
             )
         if self.mask_token_id is not None and self.target_vocab_size is not None:
-            if self.mask_token_id < self.target_vocab_size:
+            # With rows above the tokenizer the mask is one of them; a tokenizer that uses
+            # every row leaves its reserved tokens, checked against it (`validate_for_target`).
+            if self.mask_token_id < self.target_vocab_size < self.vocab_size:
                 raise ValueError(
                     f"mask_token_id {self.mask_token_id} is a used token id (the tokenizer uses "
                     f"0..{self.target_vocab_size - 1}); pick an id >= target_vocab_size"
@@ -322,10 +340,8 @@ class DSpineConfig(PreTrainedConfig):
                     f"target_vocab_size of the draft ({self.target_vocab_size}) differs from the "
                     f"tokenizer's length ({used}): the draft was made for another tokenizer"
                 )
-            if self.mask_token_id is not None and self.mask_token_id < used:
-                raise ValueError(
-                    f"mask_token_id {self.mask_token_id} is a used token of the tokenizer (len {used})"
-                )
+            if self.mask_token_id is not None:
+                check_mask_token(self.mask_token_id, tokenizer)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -335,6 +351,14 @@ class DSpineConfig(PreTrainedConfig):
         """The `target_fields` of a draft for `target_config`: its architecture (hidden size,
         heads, head dim, MLP width, RoPE, vocabulary, norm epsilon), depth and identity."""
         target_config = getattr(target_config, "text_config", None) or target_config
+        model_type = getattr(target_config, "model_type", None)
+        softcap = getattr(target_config, "final_logit_softcapping", None)
+        if softcap is not None:
+            # The distillation target is softmax(lm_head(h)); a softcapped target's is not.
+            raise ValueError(
+                f"final_logit_softcapping={softcap} ({model_type}): targets that softcap their "
+                "logits are not supported (the draft distils the uncapped head)"
+            )
         num_heads = target_config.num_attention_heads
         head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // num_heads
         return {
@@ -352,6 +376,8 @@ class DSpineConfig(PreTrainedConfig):
             "target_model_type": getattr(target_config, "model_type", None),
             "target_name_or_path": getattr(target_config, "_name_or_path", None) or None,
             "target_vocab_size": used_vocab_size,
+            "embed_scale": (target_config.hidden_size ** 0.5
+                            if model_type in _SCALED_EMBEDDING_MODEL_TYPES else 1.0),
         }
 
     @classmethod
@@ -367,8 +393,10 @@ class DSpineConfig(PreTrainedConfig):
 
         Hidden size, heads, head dim, MLP width, RoPE, vocabulary and norm epsilon are copied;
         `target_layer_ids` follow SPEC 1 for `num_layers` draft layers; `mask_token_id` is the
-        first id beyond the tokenizer's used ids (`len(tokenizer)` or `used_vocab_size`) unless
-        given in `overrides`. Any other field can be overridden.
+        first id beyond the tokenizer's used ids (`len(tokenizer)` or `used_vocab_size`), or,
+        when the tokenizer uses every row, its first reserved/unused special token
+        (`mask_token.pick_mask_token_id`), unless given in `overrides`. Any other field can be
+        overridden.
         """
         target_config = getattr(target_config, "text_config", None) or target_config
         if tokenizer is not None:
@@ -379,17 +407,8 @@ class DSpineConfig(PreTrainedConfig):
         if fields.get("target_layer_ids") is None:
             fields["target_layer_ids"] = default_target_layer_ids(fields["target_num_layers"], num_layers)
         if fields.get("mask_token_id") is None:
-            if used_vocab_size is None:
-                raise ValueError(
-                    "mask_token_id: pass the target tokenizer (or used_vocab_size) so the first "
-                    "unused id can be chosen, or give mask_token_id explicitly"
-                )
-            if used_vocab_size >= fields["vocab_size"]:
-                raise ValueError(
-                    f"mask_token_id: the tokenizer uses all {fields['vocab_size']} ids; give an "
-                    "explicit unused mask_token_id"
-                )
-            fields["mask_token_id"] = used_vocab_size
+            fields["mask_token_id"] = pick_mask_token_id(fields["vocab_size"], used_vocab_size,
+                                                         tokenizer)
         fields.setdefault("transfer_dim", min(cls.transfer_dim, fields["hidden_size"]))
         fields.setdefault("message_size", min(cls.message_size, fields["hidden_size"]))
         fields.setdefault("candidate_k", min(cls.candidate_k, fields["vocab_size"]))

@@ -197,6 +197,15 @@ class DSpineDraftModel(DSpinePreTrainedModel):
                 layer_readout.weight.copy_(readout.to(layer_readout.weight))
 
     # ------------------------------------------------------------------ shared pieces
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embedding of `token_ids` (..., H), scaled as the target scales it
+        (`embed_scale`: sqrt(H) for Gemma, in the weight's dtype as transformers does)."""
+        embed, _ = self._require_target()
+        hidden = F.embedding(token_ids, embed)
+        if self.config.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(self.config.embed_scale, dtype=embed.dtype)
+        return hidden
+
     def token_features(self, token_ids: torch.Tensor) -> torch.Tensor:
         """sqrt(r) * T[token]: a committed token's feature (..., r)."""
         return self.injection.scale * self.token_codes[token_ids]
@@ -270,7 +279,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         falls back to a dense path.
         """
         cfg = self.config
-        embed, _ = self._require_target()
+        self._require_target()
         bsz, seq_len = input_ids.shape
         num_blocks, bk = anchors.shape[1], cfg.block_size
         if anchor_mask is not None:
@@ -286,7 +295,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         block_ids = torch.full_like(gathered, cfg.mask_token_id)
         block_ids[..., 0] = anchor_ids
         dtype = self.fc.weight.dtype
-        hidden = F.embedding(block_ids, embed).to(dtype).view(bsz, num_blocks * bk, -1)
+        hidden = self.embed_tokens(block_ids).to(dtype).view(bsz, num_blocks * bk, -1)
 
         ctx = self.fuse_context(context_features)  # (B, S, H)
         ctx_pos = torch.arange(seq_len, device=input_ids.device).expand(bsz, -1)
@@ -398,12 +407,12 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         (the engine rounds it up to a bucket); the default is the whole cache.
         """
         cfg = self.config
-        embed, _ = self._require_target()
+        self._require_target()
         bsz, bk = anchor_ids.shape[0], cfg.block_size
         dtype = self.fc.weight.dtype
         block_ids = torch.full((bsz, bk), cfg.mask_token_id, dtype=torch.long, device=anchor_ids.device)
         block_ids[:, 0] = anchor_ids
-        hidden = F.embedding(block_ids, embed).to(dtype)  # (B, Bk, H)
+        hidden = self.embed_tokens(block_ids).to(dtype)  # (B, Bk, H)
         pos = cache.lengths[:, None] + torch.arange(bk, device=anchor_ids.device)  # (B, Bk)
         cos, sin = self.rotary_emb(pos, dtype)
         kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)

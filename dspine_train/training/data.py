@@ -230,3 +230,26 @@ def check_supervised(dataset: datasets.Dataset, role: str, where: str) -> None:
                 return
     raise TrainingError(f"{role}: no row of {where} has two consecutive supervised tokens "
                         "(loss_mask 1): nothing to train on; check the loss masks of the data")
+
+
+def check_token_absent(dataset: datasets.Dataset, token_id: int, role: str, where: str,
+                       name: str) -> None:
+    """Refuse token data in which `token_id` occurs (the draft's mask token must never be a
+    real input: the draft could not tell a masked slot from that token).
+
+    One vectorised pass over the Arrow column; `name` says what the id is in the
+    `TrainingError` ("model.mask_token_id 128002 ('<|reserved_special_token_0|>')").
+    """
+    row = 0
+    for table in dataset.with_format("arrow").iter(batch_size=65536):
+        for chunk in table.column("input_ids").chunks:
+            hits = np.flatnonzero(np.asarray(chunk.flatten()) == token_id)
+            if hits.size:
+                offsets = np.asarray(chunk.offsets)
+                offsets = offsets - offsets[0]  # a sliced chunk's offsets start past 0
+                bad = row + int(np.searchsorted(offsets, hits[0], side="right")) - 1
+                raise TrainingError(
+                    f"{role}: {name} occurs in row {bad} of {where}; the mask token must never "
+                    "occur in the data (set model.mask_token_id to another reserved token)"
+                )
+            row += len(chunk)

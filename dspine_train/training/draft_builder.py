@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -19,13 +20,16 @@ from .errors import TrainingError
 
 
 def draft_config_for(
-    model_cfg: ModelConfig, target_config: PretrainedConfig, used_vocab_size: int | None
+    model_cfg: ModelConfig, target_config: PretrainedConfig, used_vocab_size: int | None,
+    tokenizer: Any = None,
 ) -> DSpineConfig:
-    """The draft config: the target's architecture plus the recipe's draft fields."""
+    """The draft config: the target's architecture plus the recipe's draft fields. `tokenizer`
+    (needed when it uses every vocabulary row) picks and checks the mask id among its
+    reserved tokens."""
     overrides = model_cfg.draft_overrides()
     try:
         config = DSpineConfig.from_target(
-            target_config, used_vocab_size=used_vocab_size, **overrides
+            target_config, tokenizer, used_vocab_size=used_vocab_size, **overrides
         )
     except ValueError as err:
         raise TrainingError(f"model: the draft does not fit the target {model_cfg.target_path!r}: "

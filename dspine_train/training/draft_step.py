@@ -65,6 +65,24 @@ class DraftStep(nn.Module):
         eval_chunks: int,
     ) -> torch.Tensor:
         """Acceptance sums of `evaluation.block_counts` for this batch's blocks."""
+        prefix = self.accepted_prefixes(input_ids, context, final_hidden, loss_mask, anchors,
+                                        anchor_mask, eval_chunks)
+        return block_counts(prefix, anchor_mask.reshape(-1))
+
+    @torch.no_grad()
+    def accepted_prefixes(
+        self,
+        input_ids: torch.Tensor,
+        context: torch.Tensor,
+        final_hidden: torch.Tensor,
+        loss_mask: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_mask: torch.Tensor,
+        eval_chunks: int = 0,
+    ) -> torch.Tensor:
+        """The simulated evaluation of every block: `evaluation.accepted_prefix` flags
+        (B*A, Bk-1), block (b, i) at row b * A + i (padding blocks included; mask them with
+        `anchor_mask`). The parity check (`dspine_train.parity`) reads them per block."""
         draft = self.draft
         bk = draft.config.block_size
         bsz, seq_len = input_ids.shape
@@ -97,8 +115,7 @@ class DraftStep(nn.Module):
             draft_tokens.append(walk.tokens)
             states = final_hidden[batch_idx[b, a], pred_pos[b, a]]  # (n, Bk-1, H)
             target_tokens.append(draft.target_logits(states).argmax(-1))
-        prefix = accepted_prefix(
+        return accepted_prefix(
             torch.cat(draft_tokens), torch.cat(target_tokens),
             out.labels.reshape(-1, bk - 1), supervised.reshape(-1, bk - 1),
         )  # (B*A, Bk-1)
-        return block_counts(prefix, anchor_mask.reshape(-1))

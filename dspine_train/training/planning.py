@@ -34,7 +34,7 @@ def plan_draft_config(config: TrainConfig, target: PretrainedConfig | None = Non
 
     The tokenizer is read when `model.target_path` is a local directory, as the trainer does.
     When it is not at hand (a Hub id: plan_only reads configs only) and the recipe names no
-    `mask_token_id`, the plan takes the last vocabulary row as the mask token: the mask id
+    `mask_token_id` (or the tokenizer uses every row), the plan takes the last vocabulary row as the mask token: the mask id
     changes no memory, and the run itself requires the tokenizer.
     """
     target = plan_target_config(config) if target is None else target
@@ -45,7 +45,7 @@ def plan_draft_config(config: TrainConfig, target: PretrainedConfig | None = Non
             used = used_vocab_size(m.target_path, target.vocab_size, m.used_vocab_size)
         except TrainingError:
             pass  # the run names what is wrong with the tokenizer; the plan needs no mask id
-    if used is None and m.mask_token_id is None:
+    if (used is None or used >= target.vocab_size) and m.mask_token_id is None:
         m = dataclasses.replace(m, mask_token_id=target.vocab_size - 1)
     return draft_config_for(m, target, used)
 

@@ -113,6 +113,21 @@ def used_vocab_size(path: str, vocab_size: int, explicit: int | None = None) -> 
     return found
 
 
+def load_target_tokenizer(path: str):  # noqa: ANN201 - a transformers tokenizer
+    """The target's tokenizer (to pick and check a mask id among its reserved tokens)."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise TrainingError(f"model.target_path: cannot load the tokenizer of {path!r}: {err}") from err
+
+
+def embedding_scale(target: nn.Module) -> float:
+    """The factor the target multiplies its input embeddings by (`embed_scale` of transformers'
+    scaled embeddings, e.g. Gemma's sqrt(hidden_size)); 1.0 for a plain `nn.Embedding`."""
+    scale = getattr(target.get_input_embeddings(), "embed_scale", None)
+    return 1.0 if scale is None else float(scale)
+
+
 def target_head_weights(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's frozen input embedding and output head weights, both (V, H)."""
     embed = target.get_input_embeddings().weight

@@ -48,6 +48,7 @@ from .plots import plot_training
 from .target import (
     TargetFeatureExtractor,
     TargetFeatures,
+    embedding_scale,
     load_target,
     read_embedding_and_head,
     target_head_weights,
@@ -118,6 +119,12 @@ class Trainer:
         else:
             target = load_target(m.target_path, m.target_dtype, acc.device, m.trust_remote_code)
             embed, head = target_head_weights(target)
+            scale = embedding_scale(target)
+            if abs(scale - inputs.draft_config.embed_scale) > 1e-6 * scale:
+                raise TrainingError(
+                    f"model.target_path: the target scales its input embeddings by {scale}, "
+                    f"the draft by embed_scale={inputs.draft_config.embed_scale} "
+                    f"(model_type {inputs.draft_config.target_model_type!r})")
             self.extract = TargetFeatureExtractor(target, inputs.draft_config.target_layer_ids)
         default_table = self.output_dir / "token_table.safetensors"
         self.token_table_path = Path(m.token_table_path or default_table)

@@ -1,0 +1,196 @@
+"""Served acceptance equals trained acceptance, block by block (`dspine_train.parity`).
+
+A tiny random target, a draft trained briefly on the target's own greedy continuations, and
+rows that are the target's greedy continuations of held-out prompts: on every block the engine
+verifies, the trainer's simulated evaluation at the same anchor accepts exactly as many drafts
+(fp32 on CPU; the engine's compact target and transformers agree to rounding, and a trained
+draft on a peaked target leaves no near-ties at these sizes). Each planted train/serve
+mismatch (a context layer off by one, another mask token, the anchor's own feature visible)
+breaks the equality, so the check would catch it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _engine_helpers import (
+    build_tiny_target,
+    build_tokenizer,
+    hf_greedy,
+    tiny_draft,
+    train_draft_briefly,
+)
+
+from dspine_train.engine import Engine
+from dspine_train.modeling import DSpineDraftModel
+from dspine_train.parity import (
+    ParityRowInput,
+    extractor_features,
+    round_anchors,
+    rows_from_dataset,
+    run_parity,
+    valid_anchors,
+)
+from dspine_train.training.draft_step import DraftStep
+from dspine_train.training.target import TargetFeatures
+
+RESPONSE = 24  # tokens of each row's response
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Target, a draft trained briefly on 8 of the prompts' greedy continuations (saved), and
+    the greedy rows of all 12 prompts (4 held out)."""
+    root = tmp_path_factory.mktemp("parity")
+    hf = build_tiny_target(root / "target", "qwen3", head_scale=4.0, num_hidden_layers=6,
+                           eos_token_id=None)
+    build_tokenizer(root / "target", vocab_size=200)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 200, (n,), generator=gen).tolist()
+               for n in torch.randint(2, 11, (12,), generator=gen).tolist()]
+    train = torch.tensor([p + hf_greedy(hf, p, 40 - len(p)) for p in prompts[:8]])
+    draft = train_draft_briefly(tiny_draft(hf, 200), hf, train, steps=80, lr=1e-2)
+    draft.save_pretrained(root / "draft")
+    rows = [ParityRowInput(str(i), p, hf_greedy(hf, p, RESPONSE)) for i, p in enumerate(prompts)]
+    return {"root": root, "hf": hf, "rows": rows}
+
+
+def _pair(world, feature_shift: int = 0):
+    root, hf = world["root"], world["hf"]
+    engine = Engine.from_pretrained(root / "target", root / "draft", max_seq_len=64,
+                                    max_batch_size=1, eos_token_ids=[])
+    draft = DSpineDraftModel.from_pretrained(str(root / "draft")).eval()
+    draft.bind_target(hf.model.embed_tokens.weight.detach(), hf.lm_head.weight.detach())
+    features = extractor_features(hf, draft.config.target_layer_ids)
+    if feature_shift:
+        # planted: position i carries the features of i + shift (the anchor's own visible)
+        inner = features
+
+        def features(ids):  # noqa: ANN001, ANN202
+            f = inner(ids)
+            return TargetFeatures(torch.roll(f.context, -feature_shift, dims=1), f.final_hidden)
+    return engine, DraftStep(draft), features
+
+
+def test_engine_acceptance_equals_simulated_on_every_block(world):
+    engine, step, features = _pair(world)
+    report = run_parity(engine, step, features, world["rows"])
+    rows = report.rows
+    assert all(r.reproduces_row for r in rows)  # the rows are the target's greedy output
+    # first round of every row: the block anchored at the first new token
+    assert [r.engine[0] for r in rows] == [r.simulated[0] for r in rows]
+    for r in rows:
+        assert [min(e, room) for e, room in zip(r.engine, r.room)] == r.simulated, r
+    assert report.mismatched_rounds == 0 and report.difference == 0.0
+    assert not any("different number" in w for w in report.warnings)
+    # non-trivial: drafts are accepted, deep positions too, and rejections occur
+    engine_counts = [e for r in rows for e in r.engine]
+    assert max(engine_counts) >= 4 and min(engine_counts) == 0
+    # the trainer's per-anchor results replayed as the engine walks reproduce its rounds
+    clipped = [min(e, room) for r in rows for e, room in zip(r.engine, r.room)]
+    walk = report.simulated_walk
+    assert walk.blocks == len(clipped) and walk.tau == pytest.approx(1 + sum(clipped) / len(clipped))
+    # uniform anchors weigh every position alike, the engine's rounds crowd where few drafts are
+    # accepted: on the same rows the trainer's usual figure is higher than the served one
+    assert report.simulated_all_anchors.tau > walk.tau + 0.3
+    # the rounds tile the output: anchors advance by accepted + 1
+    for r in rows:
+        assert r.anchors == round_anchors(r.prompt_len, r.engine)
+        assert r.anchors[-1] <= r.prompt_len + r.new_tokens - 1
+
+
+@pytest.mark.parametrize("plant", ["layer", "mask_id", "anchor_visible"])
+def test_a_planted_mismatch_is_caught(world, plant):
+    engine, step, features = _pair(world, feature_shift=1 if plant == "anchor_visible" else 0)
+    if plant == "layer":  # the engine reads the output of the next layer
+        engine.target.set_feature_layers([i + 1 for i in engine.draft.config.target_layer_ids])
+    elif plant == "mask_id":  # the engine's block uses another mask token
+        engine.draft.config.mask_token_id = 5
+    report = run_parity(engine, step, features, world["rows"])
+    assert report.mismatched_rounds > 0
+    assert any("different number" in w for w in report.warnings)
+
+
+def test_rows_from_dataset_take_the_prompt_and_first_response():
+    rows = rows_from_dataset([[5, 6, 7, 8, 9, 10, 11], [1, 2]], [[0, 0, 1, 1, 0, 1, 1], [1, 1]],
+                             ["a", "b"])
+    assert [(r.row_id, r.prompt, r.response) for r in rows] == [("a", [5, 6], [7, 8])]
+    assert valid_anchors([0, 1, 1, 1, 0, 1]) == [1, 2]
+
+
+def _dataset(world, path):
+    """The rows as a tokenised DatasetDict (prompt unsupervised, response supervised)."""
+    import datasets
+
+    rows = world["rows"]
+    ids = [r.prompt + r.response for r in rows]
+    masks = [[0] * len(r.prompt) + [1] * len(r.response) for r in rows]
+    split = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks,
+                                        "length": [len(x) for x in ids]})
+    datasets.DatasetDict(train=split, eval=split).save_to_disk(str(path))
+    return path
+
+
+def _script():
+    """`scripts/eval_acceptance.py` as a module (its `main(argv)` returns the exit status)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "eval_acceptance.py"
+    spec = importlib.util.spec_from_file_location("eval_acceptance", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_eval_acceptance_parity_mode_on_the_eval_split(world, tmp_path, capsys):
+    import json
+
+    data = _dataset(world, tmp_path / "data")
+    root = world["root"]
+    status = _script().main([
+        "--parity", "--target", str(root / "target"), "--draft", str(root / "draft"),
+        "--data", str(data), "--limit", "4", "--device", "cpu", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr()
+    assert status == 0, printed.err[-3000:]
+    assert "paired difference" in printed.out and "simulated, engine's walk" in printed.out
+    report = json.loads((tmp_path / "out" / "parity.json").read_text())
+    assert len(report["rows"]) == 4 and report["mismatched_rounds"] == 0
+    assert all(r["reproduces_row"] for r in report["rows"])
+    assert report["engine"]["blocks"] == report["simulated_same_anchors"]["blocks"] > 0
+    assert len(report["engine"]["per_position"]) == 7  # block 8: g = 7 drafts verified
+    assert (tmp_path / "out" / "parity.md").read_text().startswith("#### Parity")
+
+
+def test_eval_acceptance_parity_mode_needs_data(world, tmp_path, capsys):
+    script = _script()
+    root = world["root"]
+    base = ["--parity", "--target", str(root / "target"), "--draft", str(root / "draft"),
+            "--out", str(tmp_path / "out")]
+    assert script.main(base) == 1
+    assert "--parity needs --data" in capsys.readouterr().err
+    assert script.main([*base, "--data", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_simulated_counts_do_not_depend_on_how_anchors_are_grouped(world):
+    from dspine_train.parity import simulated_accepted
+
+    _, step, features = _pair(world)
+    row = world["rows"][0]
+    seq = row.prompt + row.response
+    mask = [0] * len(row.prompt) + [1] * len(row.response)
+    anchors = valid_anchors(mask)
+    together = simulated_accepted(step, features, seq, mask, anchors)
+    assert simulated_accepted(step, features, seq, mask, anchors, anchors_per_forward=5) == together
+    assert len(together) == len(anchors) and max(together) > 0
