@@ -1,11 +1,12 @@
 """Command line: convert an exported draft to a checkpoint format.
 
-    python -m dspine_train.export SRC_DIR OUT_DIR --format dflash|dspine
+    python -m dspine_train.export SRC_DIR OUT_DIR --format dflash|dspine|specforge
 
 `--format dflash` writes what z-lab's `DFlashDraftModel` (and the serving stacks that follow its
 format) load: only a draft trained with `method: dflash` can be written so. `--format dspine`
 writes this project's own export (which also carries the DFlash keys, under its own
-`architectures` name). SRC_DIR may be either format. OUT_DIR is built beside itself and swapped
+`architectures` name). `--format specforge` writes SpecForge's `DSpineDraftModel` checkpoint (a
+DSpine draft only). SRC_DIR may be any of these formats. OUT_DIR is built beside itself and swapped
 in whole. A bad argument or an unconvertible draft is reported in one line, exit status 2.
 """
 
@@ -23,10 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the conversion; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m dspine_train.export",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="an exported draft directory (dspine or dflash format)")
+    parser.add_argument("source", help="an exported draft directory (dspine, dflash or specforge format)")
     parser.add_argument("out", help="the directory to write")
     parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
-                        help="dflash: DFlashDraftModel's format; dspine: this project's own")
+                        help="dflash: DFlashDraftModel's format; dspine: this project's own; "
+                        "specforge: SpecForge's DSpineDraftModel")
     args = parser.parse_args(argv)
     transformers.utils.logging.disable_progress_bar()  # one line of output, not a loading bar
     try:

@@ -9,10 +9,12 @@
   DFlash.
 * `dflash` (`dflash.py`): what z-lab's `DFlashDraftModel` and the serving stacks that follow it
   read. Only a DFlash draft (`method: dflash`) can be written in it.
+* `specforge` (`specforge.py`): SpecForge's `DSpineDraftModel` checkpoint (the same network under
+  a few other names); read and written, every field and tensor checked.
 
 `export_dir` converts an export directory (the CLI `python -m dspine_train.export`);
 `write_format` writes a draft into a directory being built (the trainer's export);
-`load_draft` reads either format into a `DSpineDraftModel` (a DFlash checkpoint becomes a
+`load_draft` reads any of them into a `DSpineDraftModel` (a DFlash checkpoint becomes a
 `method: dflash` draft). Further formats (SpecForge, speculators) go beside these.
 """
 
@@ -28,14 +30,15 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_json_atomic
 from ..modeling import DSpineConfig, DSpineDraftModel
-from . import dflash
+from . import dflash, specforge
 from .dflash import FormatError
 
-FORMATS = ("dspine", "dflash")
+FORMATS = ("dspine", "dflash", "specforge")
 WEIGHTS_FILE = "model.safetensors"
 # Files of a DSpine export that travel with it (the dflash format keeps only the info file).
 SIDE_FILES = {"dspine": ("token_table.safetensors", "training_info.json"),
-              "dflash": ("training_info.json",)}
+              "dflash": ("training_info.json",),
+              "specforge": ("training_info.json",)}
 # DFlash's own keys (the `dflash_config` block) are not repeated in `dspine_config`.
 _DFLASH_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
 
@@ -70,6 +73,14 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
         write_json_atomic(path, fields, indent=2, sort_keys=True)
         return
     source = getattr(draft.config, "_name_or_path", "") or "the draft"
+    if fmt == "specforge":
+        specforge.check_exportable(draft.config, source)
+        tensors = specforge.state_dict(state)
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json_atomic(directory / "config.json",
+                          specforge.config_dict(draft.config, state["fc.weight"].dtype),
+                          indent=2, sort_keys=True)
+        return
     dflash.check_exportable(draft.config, source)
     tensors = dflash.state_dict(state)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -114,9 +125,12 @@ def import_dflash(directory: str | Path) -> DSpineDraftModel:
 
 
 def load_draft(directory: str | Path) -> DSpineDraftModel:
-    """The draft exported at `directory`, in either format (a DFlash checkpoint is imported as a
-    `method: dflash` draft); strict (`DSpineDraftModel.from_pretrained` / `import_dflash`)."""
+    """The draft exported at `directory`, in any format (a DFlash checkpoint is imported as a
+    `method: dflash` draft, a SpecForge one as the DSpine draft it is); strict
+    (`DSpineDraftModel.from_pretrained` / `import_dflash` / `specforge.import_specforge`)."""
     fields = dflash.read_config(directory)
+    if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
+        return specforge.import_specforge(directory)
     if dflash.is_dflash_config(fields):
         return import_dflash(directory)
     return DSpineDraftModel.from_pretrained(str(directory))

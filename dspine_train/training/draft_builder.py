@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from ..formats import load_draft
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..token_table import TokenTable, build_token_table
 from .config import ModelConfig
@@ -79,7 +80,7 @@ def build_draft(
     """A fresh draft (seeded, token codes and readouts from `table`), or `model.init_from`."""
     if model_cfg.init_from:
         try:
-            draft = DSpineDraftModel.from_pretrained(model_cfg.init_from)
+            draft = load_draft(model_cfg.init_from)  # any format: ours, DFlash's, SpecForge's
             draft.config.validate_for_target(target_config)
         except (OSError, ValueError) as err:
             raise TrainingError(f"model.init_from: {err}") from err
