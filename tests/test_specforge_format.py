@@ -226,6 +226,8 @@ def _edited_copy(world, tmp_path, edit_config=None, edit_tensors=None):
         (lambda f: f["dspine_config"].update(gate_temperature=2.0), None,
          r"unknown key dspine_config\.gate_temperature"),
         (lambda f: f["dspine_config"].pop("top_k"), None, r"dspine_config\.top_k missing"),
+        (lambda f: f["dspine_config"].update(top_k=4.0), None,
+         r"dspine_config\.top_k=4\.0 \(an integer\)"),
         (lambda f: f["dflash_config"].update(attention_mode="mla"), None,
          r"attention mode\(s\) \['mla'\]"),
         (lambda f: f["dflash_config"].update(shift_label=True), None,

@@ -67,7 +67,9 @@ refused, but it is not bit-identical arithmetic; (2) SpecForge normalises the fe
 and casts it back, we normalise in the working dtype (identical in fp32); (3) at
 initialisation SpecForge's readouts are the unwhitened directions, ours are whitened (init
 only: a checkpoint stores its readouts); (4) SpecForge has no decode loop, so its "decode" is
-the one its refinement term trains: ours. Not known from its source: how its trainer names the
+the one its refinement term trains: ours; (5) our draft holds every tensor in one dtype (its
+`fc.weight`'s): `transfer_codes` that FSDP kept in fp32 beside bf16 weights are rounded to
+bf16 here, where SpecForge rounds `sqrt(r) * code` (a rounding-order difference). Not known from its source: how its trainer names the
 checkpoint's tensors if not by `save_pretrained` (these names are the module's own), and the
 embedding scale of non-Qwen targets (only `embed_scale` 1 is read or written).
 """
@@ -243,7 +245,13 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     expected = set(DSPINE_KEYS) | set(SCHEDULE)
     problems += [f"unknown key dspine_config.{k}" for k in sorted(set(spine) - expected)]
     problems += [f"dspine_config.{k} missing" for k in sorted(expected - set(spine))]
+    for key in ("transfer_rank", "message_size", "top_k", "alignment_warmup_steps",
+                "replacement_layers"):
+        if key in spine and (not isinstance(spine[key], int) or isinstance(spine[key], bool)):
+            problems.append(f"dspine_config.{key}={spine[key]!r} (an integer)")
     extra = fields.get(EXTRA_BLOCK) or {}
+    if not isinstance(extra, dict):
+        extra, problems = {}, [*problems, f"{EXTRA_BLOCK} is not a mapping"]
     problems += [f"unknown key {EXTRA_BLOCK}.{k}" for k in sorted(set(extra) - set(EXTRA_FIELDS))]
     if problems:
         raise FormatError(f"{source}: config.json of a SpecForge DSpine draft: "
