@@ -110,9 +110,11 @@ def world(tmp_path_factory):
     return {"root": root, "hf": hf, "prompts": prompts, "reference": reference, "draft": draft}
 
 
-def _engine_rounds(root, draft_dir, prompts):
+def _engine_rounds(root, draft_dir, prompts, write_eps=None):
     engine = Engine.from_pretrained(root / "target", draft_dir, max_seq_len=96,
                                     eos_token_ids=[], max_batch_size=1)
+    if write_eps is not None:
+        engine.draft.injection.eps = write_eps
     rounds = record_engine_rounds(engine)
     outputs = [engine.generate([p], max_new_tokens=NEW, chat=False).token_ids[0]
                for p in prompts]
@@ -139,6 +141,8 @@ def test_specforge_checkpoint_is_served_with_the_original_drafts_proposals(world
     expected_outputs, expected_rounds = _engine_rounds(root, root / "ours", prompts)
     assert expected_outputs == world["reference"]
     assert rounds == expected_rounds and len(rounds) >= 2 * len(prompts)
+    # SpecForge's write scale ||h|| / sqrt(H) is ours without the epsilon: the same proposals
+    assert _engine_rounds(root, root / "sf", prompts, write_eps=0.0) == (outputs, rounds)
     # the injection matters: without its writes the same draft proposes other tokens
     blank = root / "blank"
     silent = tiny_draft(world["hf"], VOCAB, candidate_k=6)
@@ -230,6 +234,7 @@ def _edited_copy(world, tmp_path, edit_config=None, edit_tensors=None):
          r"dspine_config\.top_k=4\.0 \(an integer\)"),
         (lambda f: f["dflash_config"].update(attention_mode="mla"), None,
          r"attention mode\(s\) \['mla'\]"),
+        (lambda f: f.pop("is_causal"), None, r"is_causal=None \(true or false"),
         (lambda f: f["dflash_config"].update(shift_label=True), None,
          r"dflash_config\.shift_label=True"),
         (lambda f: f.update(layer_types=["sliding_attention", "full_attention"]), None,
@@ -256,7 +261,7 @@ def test_the_engine_names_the_refused_field(world, tmp_path):
 
 def test_a_bidirectional_specforge_draft_and_another_schedule_load(world, tmp_path):
     def edit(fields):
-        fields.pop("is_causal")  # unset with full-attention layers: bidirectional in SpecForge
+        fields["is_causal"] = False
         fields["dspine_config"]["replacement_probability"] = 0.3
 
     edited = _edited_copy(world, tmp_path, edit)

@@ -26,8 +26,10 @@ norm epsilon, `num_hidden_layers` = draft layers, `attention_bias`), `architectu
                                                          are read with a warning naming them
     is_causal: true / false    block_attention: causal / bidirectional (SpecForge's mask: a slot
                                sees the context before its anchor and, when causal, the slots
-                               of its block up to itself; unset with full-attention layers is
-                               bidirectional, as in its `resolve_dflash_is_causal`)
+                               of its block up to itself). Unset, SpecForge's mask helper falls
+                               back to a per-layer-type default, but its DSpine trainer (not
+                               in the indexed source) may build the mask otherwise: an unset
+                               or non-boolean `is_causal` is refused, not guessed
     target_layer_ids           target_layer_ids          both take layer i's *output*
                                                          (`hidden_states[i + 1]`): unchanged
 
@@ -63,7 +65,8 @@ the final norm and the target's head; replacement in the first `replacement_laye
 Differences: (1) the write's scale is `||h|| / sqrt(H)` there and `sqrt(mean(h^2) + eps)` here
 (eps = `rms_norm_eps`): a relative change of eps / (2 mean(h^2)) in the scale, 5e-7 at unit
 RMS - below the bfloat16 rounding of the result by four orders of magnitude, so it is not
-refused, but it is not bit-identical arithmetic; (2) SpecForge normalises the feature in fp32
+refused, but it is not bit-identical arithmetic (`tests/test_specforge_format.py` decodes
+with the epsilon set to 0, SpecForge's arithmetic: the same proposals); (2) SpecForge normalises the feature in fp32
 and casts it back, we normalise in the working dtype (identical in fp32); (3) at
 initialisation SpecForge's readouts are the unwhitened directions, ours are whitened (init
 only: a checkpoint stores its readouts); (4) SpecForge has no decode loop, so its "decode" is
@@ -214,8 +217,9 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     if fields.get("use_sliding_window"):
         problems.append("use_sliding_window=True")
     causal = fields.get("is_causal")
-    if causal not in (None, True, False):
-        problems.append(f"is_causal={causal!r}")
+    if not isinstance(causal, bool):  # unset is a per-layer default there: not assumed here
+        problems.append(f"is_causal={causal!r} (true or false: the block attention it was "
+                        "trained with)")
 
     block = fields.get("dflash_config") or {}
     if not isinstance(block, dict):
