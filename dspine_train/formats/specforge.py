@@ -53,28 +53,30 @@ which SpecForge's config class keeps as an attribute and never reads.
     transfer_codes                          token_codes                      T (V, r), unit rows
     transfer_ready (bool scalar)            -                                must be true
 
-**The math, part by part (SpecForge vs ours).** Identical: the prediction feature
-`sqrt(r) * normalize(R_l h)`; the anchor's feature `sqrt(r) * T[x_a]` and slot t >= 2's
-predecessor `f_{t-1}`, all read before the layer's writes; the gate `sigmoid(G_recv f_t +
-G_pred f_pred + b)`; the write `W_l(g * M(f_pred))` after every layer, the last included, then
-the final norm and the target's head; replacement in the first `replacement_layers` layers with
-`sqrt(r) * T[true predecessor]`; the last-write refinement `norm(write_N(h_t, f_t, sqrt(r) T[c]))
-. W[c']` on the last layer's pre-injection state; the transition-cache walk (its
-`select_cached`: row 0 for slot 1, then the row of the chosen candidate, argmax) is our greedy
-`walk_table`. Token codes are built the same way (SPEC 2.1) and stored, so they load as is.
-Differences: (1) the write's scale is `||h|| / sqrt(H)` there and `sqrt(mean(h^2) + eps)` here
-(eps = `rms_norm_eps`): a relative change of eps / (2 mean(h^2)) in the scale, 5e-7 at unit
-RMS - below the bfloat16 rounding of the result by four orders of magnitude, so it is not
-refused, but it is not bit-identical arithmetic (`tests/test_specforge_format.py` decodes
-with the epsilon set to 0, SpecForge's arithmetic: the same proposals); (2) SpecForge normalises the feature in fp32
-and casts it back, we normalise in the working dtype (identical in fp32); (3) at
-initialisation SpecForge's readouts are the unwhitened directions, ours are whitened (init
-only: a checkpoint stores its readouts); (4) SpecForge has no decode loop, so its "decode" is
-the one its refinement term trains: ours; (5) our draft holds every tensor in one dtype (its
-`fc.weight`'s): `transfer_codes` that FSDP kept in fp32 beside bf16 weights are rounded to
-bf16 here, where SpecForge rounds `sqrt(r) * code` (a rounding-order difference). Not known from its source: how its trainer names the
-checkpoint's tensors if not by `save_pretrained` (these names are the module's own), and the
-embedding scale of non-Qwen targets (only `embed_scale` 1 is read or written).
+**The math, part by part (SpecForge vs ours).** Identical: the prediction feature `sqrt(r) *
+normalize(R_l h)`; the anchor's feature `sqrt(r) * T[x_a]` and slot t >= 2's predecessor
+`f_{t-1}`, all read before the layer's writes; the gate `sigmoid(G_recv f_t + G_pred f_pred +
+b)`; the write `W_l(g * M(f_pred))` after every layer, the last included, then the final norm
+and the target's head; replacement in the first `replacement_layers` layers with `sqrt(r) *
+T[true predecessor]`; the last-write refinement `norm(write_N(h_t, f_t, sqrt(r) T[c])) . W[c']`
+on the last layer's pre-injection state; the transition-cache walk (its `select_cached`: row 0
+for slot 1, then the row of the chosen candidate, argmax) is our greedy `walk_table` (its
+candidates: `top_k` per slot, taken by its trainer, which is not in the indexed source). Token
+codes are built the same way (SPEC 2.1) and stored, so they load as is. Differences: (1) the
+write's scale is `||h|| / sqrt(H)` there and `sqrt(mean(h^2) + eps)` here (eps =
+`rms_norm_eps`): a relative change of eps / (2 mean(h^2)) in the scale, 5e-7 at unit RMS - below
+the bfloat16 rounding of the result by four orders of magnitude, so it is not refused, but it is
+not bit-identical arithmetic (`tests/test_specforge_format.py` decodes with the epsilon set to
+0, SpecForge's arithmetic: the same proposals); (2) SpecForge normalises the feature in fp32 and
+casts it back, we normalise in the working dtype (identical in fp32); (3) at initialisation
+SpecForge's readouts are the unwhitened directions, ours are whitened (init only: a checkpoint
+stores its readouts); (4) SpecForge has no decode loop, so its "decode" is the one its
+refinement term trains: ours; (5) our draft holds every tensor in one dtype (its `fc.weight`'s):
+`transfer_codes` that FSDP kept in fp32 beside bf16 weights are rounded to bf16 here, where
+SpecForge rounds `sqrt(r) * code` (a rounding-order difference). Not known from its source: how
+its trainer names the checkpoint's tensors if not by `save_pretrained` (these names are the
+module's own), and the embedding scale of non-Qwen targets (only `embed_scale` 1 is read or
+written).
 """
 
 from __future__ import annotations
