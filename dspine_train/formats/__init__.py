@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_json_atomic
 from ..modeling import DSpineConfig, DSpineDraftModel
@@ -97,27 +97,8 @@ def import_dflash(directory: str | Path) -> DSpineDraftModel:
     """
     directory = Path(directory)
     config = dflash.config_from_dict(dflash.read_config(directory), str(directory))
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FormatError(f"{directory}: no *.safetensors weights (safetensors only)")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            tensors.update(load_file(str(path)))
-        except Exception as err:  # safetensors raises its own error types for a bad file
-            raise FormatError(f"{path}: unreadable safetensors ({err})") from err
     draft = DSpineDraftModel(config)
-    own = draft.state_dict()
-    unexpected = sorted(k for k in tensors if k not in own or not dflash.is_backbone_key(k))
-    missing = sorted(k for k in own if dflash.is_backbone_key(k) and k not in tensors)
-    mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(own[k].shape)})"
-                        for k in tensors if k in own and tensors[k].shape != own[k].shape)
-    problems = [f"{kind}: {', '.join(keys)}" for kind, keys in
-                (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
-                if keys]
-    if problems:
-        raise FormatError(f"{directory}: the weights do not match its config.json ("
-                          + "; ".join(problems) + ")")
+    tensors = dflash.read_backbone(directory, draft.state_dict())
     dtype = next(iter(tensors.values())).dtype
     draft.load_state_dict(tensors, strict=False)
     draft.config._name_or_path = str(directory)

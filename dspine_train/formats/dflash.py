@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
@@ -211,3 +212,30 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise FormatError(f"{path}: unreadable ({err})") from err
+
+
+def read_backbone(directory: str | Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The backbone tensors of the DFlash checkpoint at `directory` (every `*.safetensors`),
+    checked against a draft's state dict `expected`: every backbone tensor present with its
+    shape and nothing else, or `FormatError` naming the missing, unexpected and mismatched."""
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FormatError(f"{directory}: no *.safetensors weights (safetensors only)")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as err:  # safetensors raises its own error types for a bad file
+            raise FormatError(f"{path}: unreadable safetensors ({err})") from err
+    unexpected = sorted(k for k in tensors if k not in expected or not is_backbone_key(k))
+    missing = sorted(k for k in expected if is_backbone_key(k) and k not in tensors)
+    mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
+                        for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
+    problems = [f"{kind}: {', '.join(keys)}" for kind, keys in
+                (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
+                if keys]
+    if problems:
+        raise FormatError(f"{directory}: the weights do not match its config.json ("
+                          + "; ".join(problems) + ")")
+    return tensors

@@ -120,7 +120,11 @@ class ModelConfig:
             first (the `tiny` recipe and CI; never for a real target).
         token_table_path: PCA-whitened token codes (SPEC 2.1); built from the target's lm_head
             and cached here when missing. None: `<output_dir>/token_table.safetensors`.
-        init_from: an exported draft directory to start from instead of a fresh draft.
+        init_from: a draft to start from instead of a fresh draft: a DSpine export (that draft
+            as exported), or a DFlash-format checkpoint such as a published z-lab draft (its
+            backbone, with DSpine's own parts at their init and this recipe's method and
+            attention; the structure fields the recipe leaves unset are the checkpoint's:
+            `dspine_train.training.warm_start`).
         used_vocab_size: ids the target's tokenizer uses (`len(tokenizer)`; the mask token and
             `target_vocab_size` of the export follow from it). None: read from the tokenizer
             files in `target_path`, which a target then must have. Set it for a target

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from ..formats import load_draft
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..token_table import TokenTable, build_token_table
+from . import warm_start
 from .config import ModelConfig
 from .errors import TrainingError
 
@@ -26,8 +27,15 @@ def draft_config_for(
 ) -> DSpineConfig:
     """The draft config: the target's architecture plus the recipe's draft fields. `tokenizer`
     (needed when it uses every vocabulary row) picks and checks the mask id among its
-    reserved tokens."""
+    reserved tokens.
+
+    With `model.init_from` a DFlash checkpoint, its structure fills the fields the recipe leaves
+    unset and must agree with the ones it sets, and it must have been made for this target
+    (`warm_start`)."""
     overrides = model_cfg.draft_overrides()
+    checkpoint = warm_start.dflash_checkpoint(model_cfg.init_from)
+    if checkpoint is not None:
+        overrides = warm_start.structure_overrides(overrides, checkpoint, model_cfg.init_from)
     try:
         config = DSpineConfig.from_target(
             target_config, tokenizer, used_vocab_size=used_vocab_size, **overrides
@@ -35,6 +43,8 @@ def draft_config_for(
     except ValueError as err:
         raise TrainingError(f"model: the draft does not fit the target {model_cfg.target_path!r}: "
                             f"{err}") from err
+    if checkpoint is not None:
+        warm_start.check_target_fields(config, checkpoint, model_cfg.init_from)
     config.target_name_or_path = model_cfg.target_path
     return config
 
@@ -77,8 +87,13 @@ def build_draft(
     target_config: PretrainedConfig,
     seed: int,
 ) -> DSpineDraftModel:
-    """A fresh draft (seeded, token codes and readouts from `table`), or `model.init_from`."""
-    if model_cfg.init_from:
+    """A fresh draft (seeded, token codes and readouts from `table`), or `model.init_from`.
+
+    `init_from` a DSpine export: that draft, as exported. A DFlash checkpoint: the fresh draft
+    of `config` (built by `draft_config_for`) with the checkpoint's backbone (`warm_start`).
+    """
+    dflash_init = warm_start.dflash_checkpoint(model_cfg.init_from) is not None
+    if model_cfg.init_from and not dflash_init:
         try:
             draft = load_draft(model_cfg.init_from)  # any format: ours, DFlash's, SpecForge's
             draft.config.validate_for_target(target_config)
@@ -88,4 +103,6 @@ def build_draft(
     torch.manual_seed(seed)  # the same initial draft on every process and every rerun
     draft = DSpineDraftModel(config)
     draft.init_token_table(table)
+    if dflash_init:
+        warm_start.load_backbone(draft, model_cfg.init_from)
     return draft

@@ -27,6 +27,7 @@ from transformers import get_cosine_schedule_with_warmup
 from ..modeling.attention_masks import default_use_flex, training_attention_path
 from ..modeling.compiled_flex import check_flex_usable
 from ..objective import replacement_probability, sample_anchors
+from . import warm_start
 from .checkpointing import CheckpointManager, TrainState
 from .config import TrainConfig
 from .data import Batch, BatchStream, TokenBatches
@@ -133,6 +134,8 @@ class Trainer:
             acc.wait_for_everyone,
         )
         draft = build_draft(m, inputs.draft_config, table, inputs.target_config, cfg.seed)
+        if self.is_main and warm_start.dflash_checkpoint(m.init_from) is not None:
+            print(warm_start.describe(draft.config, m.init_from))
         self.draft_config = draft.config
         dtype = torch.bfloat16 if cfg.precision.value == "bf16" else torch.float32
         draft.to(device=acc.device, dtype=dtype)
