@@ -8,8 +8,8 @@ writes this project's own export (which also carries the DFlash keys, under its 
 `architectures` name). `--format speculators` writes vLLM's own format (what the `speculators`
 package writes; `vllm serve OUT_DIR` detects it), for a DFlash draft too; it names the target
 model, `--verifier` or by default the path the draft was trained against. SRC_DIR may be a
-dspine or dflash export. OUT_DIR is built beside itself and swapped
-in whole. A bad argument or an unconvertible draft is reported in one line, exit status 2.
+dspine or dflash export. OUT_DIR is built beside itself and swapped in whole. A bad argument
+or an unconvertible draft is reported in one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="speculators: the target model's path or hub id written as the "
                              "verifier (default: the target the draft was trained against)")
     args = parser.parse_args(argv)
+    if args.verifier is not None and args.fmt != "speculators":
+        print(f"error: --verifier names the target in the speculators format only, not in "
+              f"--format {args.fmt}", file=sys.stderr)
+        return 2
     transformers.utils.logging.disable_progress_bar()  # one line of output, not a loading bar
     try:
         out = export_dir(args.source, args.out, args.fmt, verifier=args.verifier)

@@ -222,6 +222,11 @@ def test_the_verifier_is_named_and_checked(world, tmp_path, capsys):
                         "--verifier", str(root / "target")]) == 0
     assert json.loads((out / "config.json").read_text()) == json.loads(
         (root / "spec" / "config.json").read_text())
+    assert export_main([str(root / "ours"), str(tmp_path / "d"), "--format", "dflash",
+                        "--verifier", str(root / "target")]) == 2
+    assert "--verifier names the target in the speculators format only" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
     # a verifier that is not the draft's target is refused by key
     other = tmp_path / "other"
     build_tiny_target(other, "qwen3", num_hidden_layers=4)
