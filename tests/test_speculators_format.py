@@ -148,6 +148,11 @@ def test_the_keys_vllm_detects_are_the_ones_speculators_writes(world, tmp_path):
     assert fields["transformer_layer_config"]["num_hidden_layers"] == 2
     assert sorted(p.name for p in (root / "spec").iterdir()) == ["config.json",
                                                                  "model.safetensors"]
+    # its config class parses ours and writes it back as it was
+    DFlashSpeculatorConfig.from_pretrained(str(root / "spec")).save_pretrained(tmp_path / "cfg")
+    written = json.loads((tmp_path / "cfg" / "config.json").read_text())
+    assert written.pop("auto_map") == {"": "config.DFlashSpeculatorConfig"}
+    assert written == fields
     theirs = DFlashDraftModel.from_pretrained(str(root / "spec"))
     theirs.save_pretrained(tmp_path / "resaved")
     again = json.loads((tmp_path / "resaved" / "config.json").read_text())
