@@ -22,6 +22,14 @@ $(VENV)/.installed: pyproject.toml
 	# Without its dependencies: it pins datasets 5.0.1 and tqdm 4.70.0 against ours, and it
 	# imports only torch and transformers (see pyproject.toml, `dev`).
 	$(PIP) install --quiet --no-deps dflash==0.1.0
+	# vLLM's speculators package, which tests/test_speculators_format.py loads our exports with.
+	# Without its dependencies: it pins transformers<=5.19 and datasets<=5.1.0 against ours and
+	# pulls torchvision/torchaudio. `import speculators` also imports its training stack, which
+	# needs loguru, openai and hs-connectors: pure Python, their own dependencies already ours
+	# (openai's distro and sniffio come with wandb; its jiter is imported only by its streaming
+	# parser, never here).
+	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 \
+		openai==2.54.0
 	touch $@
 
 install: $(VENV)/.installed

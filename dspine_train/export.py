@@ -1,13 +1,16 @@
 """Command line: convert an exported draft to a checkpoint format.
 
-    python -m dspine_train.export SRC_DIR OUT_DIR --format dflash|dspine|specforge
+    python -m dspine_train.export SRC_DIR OUT_DIR --format dflash|dspine|specforge|speculators [--verifier T]
 
 `--format dflash` writes what z-lab's `DFlashDraftModel` (and the serving stacks that follow its
 format) load: only a draft trained with `method: dflash` can be written so. `--format dspine`
 writes this project's own export (which also carries the DFlash keys, under its own
 `architectures` name). `--format specforge` writes SpecForge's `DSpineDraftModel` checkpoint (a
-DSpine draft only). SRC_DIR may be any of these formats. OUT_DIR is built beside itself and swapped
-in whole. A bad argument or an unconvertible draft is reported in one line, exit status 2.
+DSpine draft only). `--format speculators` writes vLLM's own format (what the `speculators`
+package writes; `vllm serve OUT_DIR` detects it), for a DFlash draft too; it names the target
+model, `--verifier` or by default the path the draft was trained against. SRC_DIR may be a
+dspine, dflash or specforge export. OUT_DIR is built beside itself and swapped in whole. A bad
+argument or an unconvertible draft is reported in one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -24,15 +27,24 @@ def main(argv: list[str] | None = None) -> int:
     """Run the conversion; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m dspine_train.export",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="an exported draft directory (dspine, dflash or specforge format)")
+    parser.add_argument("source", help="an exported draft directory (dspine, dflash or specforge "
+                        "format)")
     parser.add_argument("out", help="the directory to write")
     parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
                         help="dflash: DFlashDraftModel's format; dspine: this project's own; "
-                        "specforge: SpecForge's DSpineDraftModel")
+                             "specforge: SpecForge's DSpineDraftModel; "
+                             "speculators: vLLM's (the speculators package's)")
+    parser.add_argument("--verifier", default=None,
+                        help="speculators: the target model's path or hub id written as the "
+                             "verifier (default: the target the draft was trained against)")
     args = parser.parse_args(argv)
+    if args.verifier is not None and args.fmt != "speculators":
+        print(f"error: --verifier names the target in the speculators format only, not in "
+              f"--format {args.fmt}", file=sys.stderr)
+        return 2
     transformers.utils.logging.disable_progress_bar()  # one line of output, not a loading bar
     try:
-        out = export_dir(args.source, args.out, args.fmt)
+        out = export_dir(args.source, args.out, args.fmt, verifier=args.verifier)
     except FormatError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -11,11 +11,14 @@
   read. Only a DFlash draft (`method: dflash`) can be written in it.
 * `specforge` (`specforge.py`): SpecForge's `DSpineDraftModel` checkpoint (the same network under
   a few other names); read and written, every field and tensor checked.
+* `speculators` (`speculators.py`): vLLM's own format as the `speculators` package writes it
+  (`speculators_model_type: dflash`, the verifier named in `speculators_config`); the same
+  DFlash drafts only, written, not read.
 
 `export_dir` converts an export directory (the CLI `python -m dspine_train.export`);
 `write_format` writes a draft into a directory being built (the trainer's export);
-`load_draft` reads any of them into a `DSpineDraftModel` (a DFlash checkpoint becomes a
-`method: dflash` draft). Further formats (SpecForge, speculators) go beside these.
+`load_draft` reads the dspine, dflash and specforge formats into a `DSpineDraftModel` (a DFlash
+checkpoint becomes a `method: dflash` draft). Further formats go beside these.
 """
 
 from __future__ import annotations
@@ -30,15 +33,16 @@ from safetensors.torch import save_file
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_json_atomic
 from ..modeling import DSpineConfig, DSpineDraftModel
-from . import dflash, specforge
+from . import dflash, specforge, speculators
 from .dflash import FormatError
 
-FORMATS = ("dspine", "dflash", "specforge")
+FORMATS = ("dspine", "dflash", "specforge", "speculators")
 WEIGHTS_FILE = "model.safetensors"
 # Files of a DSpine export that travel with it (the dflash format keeps only the info file).
 SIDE_FILES = {"dspine": ("token_table.safetensors", "training_info.json"),
               "dflash": ("training_info.json",),
-              "specforge": ("training_info.json",)}
+              "specforge": ("training_info.json",),
+              "speculators": ("training_info.json",)}
 # DFlash's own keys (the `dflash_config` block) are not repeated in `dspine_config`.
 _DFLASH_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
 
@@ -58,9 +62,11 @@ def dspine_blocks(config: DSpineConfig) -> dict[str, Any]:
 
 
 def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
-                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+                 state_dict: dict[str, torch.Tensor] | None = None,
+                 verifier: str | None = None) -> None:
     """Write `draft` (weights `state_dict`, default its own) into `directory` in format `fmt`:
-    `model.safetensors` and `config.json`. `FormatError` when the draft cannot be written so."""
+    `model.safetensors` and `config.json`. `verifier` (speculators only) names the target model,
+    default the draft's `target_name_or_path`. `FormatError` when the draft cannot be written so."""
     if fmt not in FORMATS:
         raise FormatError(f"--format {fmt!r}: not one of {', '.join(FORMATS)}")
     state = state_dict if state_dict is not None else draft.state_dict()
@@ -81,12 +87,17 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
                           specforge.config_dict(draft.config, state["fc.weight"].dtype),
                           indent=2, sort_keys=True)
         return
-    dflash.check_exportable(draft.config, source)
-    tensors = dflash.state_dict(state)
+    if fmt == "speculators":  # refused (and the verifier checked) before anything is written
+        speculators.check_exportable(draft.config, source)
+        target = speculators.verifier_block(draft.config, verifier, source)
+    else:
+        dflash.check_exportable(draft.config, source)
+    tensors = dflash.state_dict(state)  # the same backbone tensors in both formats
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     dtype = next(iter(tensors.values())).dtype
-    write_json_atomic(directory / "config.json", dflash.config_dict(draft.config, dtype),
-                      indent=2, sort_keys=True)
+    fields = (speculators.config_dict(draft.config, dtype, target) if fmt == "speculators"
+              else dflash.config_dict(draft.config, dtype))
+    write_json_atomic(directory / "config.json", fields, indent=2, sort_keys=True)
 
 
 def import_dflash(directory: str | Path) -> DSpineDraftModel:
@@ -112,13 +123,18 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
     fields = dflash.read_config(directory)
     if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
         return specforge.import_specforge(directory)
+    if speculators.is_speculators_config(fields):  # its architectures name is DFlash's too
+        raise FormatError(f"{directory}: a speculators-format draft; this project reads the "
+                          "dspine, dflash and specforge formats (export the draft's source again)")
     if dflash.is_dflash_config(fields):
         return import_dflash(directory)
     return DSpineDraftModel.from_pretrained(str(directory))
 
 
-def export_dir(source: str | Path, out: str | Path, fmt: str) -> Path:
-    """Write the draft exported at `source` (either format) to `out` in format `fmt`.
+def export_dir(source: str | Path, out: str | Path, fmt: str,
+               verifier: str | None = None) -> Path:
+    """Write the draft exported at `source` (dspine, dflash or specforge format) to `out` in format `fmt`
+    (`verifier`: see `write_format`).
 
     `out` is built beside itself and swapped in whole: it is never half-written, and an
     existing export there is replaced only once the new one is complete. Returns `out`.
@@ -135,8 +151,9 @@ def export_dir(source: str | Path, out: str | Path, fmt: str) -> Path:
         raise FormatError(f"{out}: exists and is not a draft export; refusing to replace it")
     try:
         fields = dflash.read_config(source)
-        if fmt == "dflash" and not dflash.is_dflash_config(fields):  # refuse before any loading
-            dflash.check_exportable(DSpineConfig.from_pretrained(source), str(source))
+        if fmt in ("dflash", "speculators") and not dflash.is_dflash_config(fields):
+            # a DSpine draft is refused before any loading
+            dflash.check_exportable(DSpineConfig.from_pretrained(source), str(source), fmt)
         draft = load_draft(source)
     except FormatError:
         raise
@@ -145,7 +162,7 @@ def export_dir(source: str | Path, out: str | Path, fmt: str) -> Path:
     clean_dead_builds(out)
     tmp = build_dir(out)
     try:
-        write_format(draft, tmp, fmt)
+        write_format(draft, tmp, fmt, verifier=verifier)
         for name in SIDE_FILES[fmt]:
             if (source / name).is_file():
                 shutil.copyfile(source / name, tmp / name)

@@ -63,16 +63,17 @@ def is_backbone_key(name: str) -> bool:
     return name.startswith(BACKBONE_PREFIXES)
 
 
-def check_exportable(config: DSpineConfig, source: str) -> None:
+def check_exportable(config: DSpineConfig, source: str, fmt: str = "dflash") -> None:
     """`FormatError` unless `config` is a DFlash draft (`method: dflash`, or the same network and
-    decode: no injection, bidirectional block, per-slot decode)."""
+    decode: no injection, bidirectional block, per-slot decode); `fmt` is the format asked for
+    (every format but dspine holds DFlash drafts only)."""
     preset = METHOD_PRESETS["dflash"]
     differ = [f"{name}={getattr(config, name)!r}" for name in NETWORK_FIELDS
               if getattr(config, name) != preset[name]]
     if differ:
         raise FormatError(
             f"{source}: a DSpine draft (method: {config.method}; {', '.join(differ)}) cannot be "
-            "exported with --format dflash: DFlash loaders would silently drop its injection "
+            f"exported with --format {fmt}: DFlash loaders would silently drop its injection "
             "weights and token codes and run a different network (bidirectional block, per-slot "
             "argmax); export it with --format dspine, or train it with method: dflash"
         )
