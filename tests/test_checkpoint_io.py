@@ -271,6 +271,16 @@ def test_publish_dir_first_writer_wins(tmp_path):
 
 # ------------------------------------------------------- the writers that had a missing moment
 class _FakeDraft:
+    """Stands in for the draft: its own tiny weights, a real config (the dspine format derives
+    the DFlash and DSpine blocks of `config.json` from it)."""
+
+    def __init__(self) -> None:
+        from dspine_train import DSpineConfig
+        from tests._model_helpers import USED_VOCAB, tiny_target
+
+        self.config = DSpineConfig.from_target(tiny_target().config, used_vocab_size=USED_VOCAB,
+                                               num_layers=2)
+
     def save_pretrained(self, path, state_dict, safe_serialization):
         save_file(dict(state_dict), str(Path(path) / "model.safetensors"))
         (Path(path) / "config.json").write_text("{}")
