@@ -13,7 +13,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 import dspine_train.modeling.modeling_dspine as md
 from dspine_train import DSpineConfig, DSpineDraftModel
 from dspine_train.modeling.attention_masks import training_mask_mod
-from dspine_train.objective import sample_anchors
+from dspine_train.objective import _vocab_terms, sample_anchors
 from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.memory_plan import (
     GIB,
@@ -160,9 +160,10 @@ def test_count_items_are_parameter_counts_times_bytes():
     assert result.tokens_per_step == 2 * 32 * 2
 
 
-# The activation items the saved-tensor measurement covers. The loss chunk's full-vocabulary
-# logits are not among them: they live inside a checkpointed function, whose tensors autograd
-# never keeps (they exist transiently, in its forward and again in its recompute).
+# The activation items the saved-tensor measurement of a whole step covers. The loss chunk's
+# full-vocabulary tensors are not among them: they live inside a checkpointed function, whose
+# tensors autograd keeps only during that chunk's recompute in backward (measured on its own in
+# `test_loss_chunk_item_covers_what_one_chunk_keeps_in_its_recompute`).
 MEASURED_ITEMS = (
     "draft context path",
     "draft block activations",
@@ -236,6 +237,41 @@ def test_activation_items_cover_what_the_draft_step_keeps(param_dtype):
     result = plan(param_dtype=param_dtype, attention_path="dense")
     planned = sum(result.item(name).bytes for name in MEASURED_ITEMS)
     assert measured <= planned <= 1.15 * measured, (param_dtype, planned, measured)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_loss_chunk_item_covers_what_one_chunk_keeps_in_its_recompute(dtype):
+    """The objective checkpoints each chunk's full-vocabulary terms (`_vocab_terms`): in
+    backward the chunk is recomputed and keeps, for its own backward, what this un-checkpointed
+    call saves. Measured: 3 fp32 (c, V) tensors (log-probabilities, probabilities, their
+    difference from p_target) and a few (c, H) rows, 52,320 B (bf16) / 51,296 B (fp32). The
+    plan's LOGIT_BUFFERS_PER_CHUNK = 4 adds the (c, V) gradient being formed: 65,536 B, 1.25x
+    and 1.28x. Bounds: the plan covers the saved tensors and is under 1.5x (one buffer more, 5,
+    would be 1.57x)."""
+    chunk = 8  # plan()'s c
+    cfg = DSpineConfig.from_target(tiny_config(), used_vocab_size=500, num_layers=N,
+                                   transfer_dim=R, message_size=M, candidate_k=4, block_size=4)
+    draft = DSpineDraftModel(cfg).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    draft.bind_target(*(torch.randn(512, 64, generator=g).to(dtype) for _ in range(2)))
+    hidden = torch.randn(chunk, 64, generator=g).to(dtype).requires_grad_()
+    target_hidden = torch.randn(chunk, 64, generator=g).to(dtype)
+    labels = torch.randint(0, 500, (chunk,), generator=g)
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.setdefault(t.untyped_storage().data_ptr(), t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ce, l1, *_ = _vocab_terms(draft, hidden, target_hidden, labels, 4)
+    (ce + l1).sum().backward()
+    counted = [*draft.parameters(), hidden, target_hidden, draft._target_head]
+    elsewhere = {t.untyped_storage().data_ptr() for t in counted}
+    measured = sum(t.untyped_storage().nbytes() for ptr, t in saved.items() if ptr not in elsewhere)
+    planned = plan(param_dtype="bf16" if dtype == torch.bfloat16 else "fp32").item(
+        "loss chunk (full-vocabulary logits)").bytes
+    assert measured <= planned < 1.5 * measured, (planned, measured)
 
 
 def test_zero3_uses_less_memory_than_zero2():
