@@ -16,6 +16,7 @@ Notation used in every formula below (all sizes are element counts unless said o
     nq ceil(Q/128)               nk ceil(KV/128)  (flex attention's 128 x 128 mask tiles)
     P  trainable draft parameters
     p  bytes per element of `param_dtype` (2 for bf16/fp16, 4 for fp32)
+    f  4 / p, an fp32 copy's size in p-byte elements (the norms compute in fp32)
 
 Assumptions (each one is a choice a real run can break; the headroom covers small ones):
     * The frozen target is not wrapped by DeepSpeed: its weights are replicated on every GPU in
@@ -42,6 +43,8 @@ Assumptions (each one is a choice a real run can break; the headroom covers smal
       without a KV cache, under `no_grad`.
     * The loss is computed in chunks of c block slots; only one chunk of full-vocabulary fp32
       tensors exists at a time (SPEC 4).
+    * Activations are what autograd keeps for backward in the real `DraftStep` forward and
+      objective (`draft_activation_elements`); `tests/test_memory_plan.py` measures them.
     * Not counted, left to the headroom: CUDA context and NCCL buffers, DeepSpeed communication
       buckets, allocator fragmentation, gradients of activations during backward (at most about
       one layer's activations at a time).
@@ -312,25 +315,90 @@ def target_parameter_count(target_config: PretrainedConfig) -> int:
 
 
 # --------------------------------------------------------------------------- activations
-def draft_slot_activation_elements(
-    target_config: PretrainedConfig, *, transfer_dim: int, message_size: int
-) -> int:
-    """Elements one block slot keeps for backward in one draft layer (attention + MLP + injection).
+@dataclass(frozen=True)
+class ActivationElements:
+    """Elements the draft's training forward keeps for backward, counted in p-byte units (an
+    fp32 tensor of n elements counts 4/p * n). `tests/test_memory_plan.py` checks their sum
+    against what autograd saves in the real `DraftStep` forward.
 
-    Decoder layer, per slot: the input and output of each RMSNorm (2H + 2H), the q/k norm
-    inputs (q + kv), q, k, v after RoPE (q + 2*kv), the attention output (q), the SwiGLU gate,
-    up, act(gate) and product (4I): `4H + 3q + 3kv + 4I` (about 19.75 H for Qwen3-8B).
-    Injection, per slot: readout output, normalised feature, predecessor feature and the
-    post-injection feature for the alignment term (4r); message, gate logits, gate and gated
-    message (4m); rms(h) * write and the residual sum (2H): `4r + 4m + 2H`.
-    Divided by H this is the "multiplier" of the module docstring.
+    Attributes:
+        layer: per block slot per draft layer (attention + MLP).
+        injection: per drafted slot (slots 1..B-1) per draft layer.
+        rope: per position, once: the RoPE cos and sin (block slots and context positions).
+        context: per context position, once: the fused context features.
+        context_layer: per context position per draft layer: the context keys and values.
+        supervised: per supervised slot (at most b*A*(B-1)): the objective outside its chunks.
+    """
+
+    layer: int
+    injection: int
+    rope: int
+    context: int
+    context_layer: int
+    supervised: int
+
+
+def draft_activation_elements(
+    target_config: PretrainedConfig,
+    *,
+    draft_num_layers: int,
+    transfer_dim: int,
+    message_size: int,
+    candidate_k: int,
+    param_dtype_bytes: int,
+) -> ActivationElements:
+    """What autograd keeps per slot / position in the draft's training forward and objective.
+
+    f = 4 / p: the draft's RMSNorms (and the injection's rms) compute in fp32, so with 2-byte
+    parameters every norm keeps an fp32 copy of its input (f = 2 units per element); in fp32
+    that copy is the input itself (f = 1). A norm keeps that copy, its normalised input and,
+    for the linear layers that read it, its weighted output: `fH + 2H`.
+
+        layer          2 * (fH + 2H)            input and post-attention norms
+                       + fq + 4q                q_norm copy and normalised q, the rotated q
+                                                and the attention output (SDPA / flex keep
+                                                both), and the (b, Q, q) copy o_proj reads
+                                                when the kernel returns (b, h, Q, D) (a view
+                                                on the CPU kernel: planned anyway)
+                       + fkv + 3kv              k_norm copy and normalised k, block keys and
+                                                values in the [context ; block] K/V
+                       + 4I                     SwiGLU gate, act(gate), up and their product
+        injection      2H + 2r                  the two readouts (injection, alignment
+                                                features): their input copies and outputs
+                       + 2r + 3m                f_recv, f_pred, gate, message, gated message
+                       + fH + H                 rms's fp32 copy and the write's update
+        rope           2 * head_dim             cos and sin (RoPE's products save nothing
+                                                else: cos/sin carry no gradient)
+        context        fH + 2H                  hidden_norm of fc's output
+        context_layer  fkv + 3kv                k_norm copy and normalised k, context keys
+                                                and values in the K/V
+        supervised     2H                       the selected draft and target hidden rows
+                       + (f + 1)H + 2r + 3m     the refinement's last-layer write again
+                       + (f + 1)H + K*H         its final norm and the K gathered head rows
+                       + 2N*f*r                 fp32 features and label codes (alignment)
+                       + 2*8/p + 8f             int64 labels, fp32 per-slot scores and terms
     """
     cfg = _text_config(target_config)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     q_dim, kv_dim = _attention_dims(cfg)
-    layer = 4 * hidden + 3 * q_dim + 3 * kv_dim + 4 * inter
-    injection = 4 * transfer_dim + 4 * message_size + 2 * hidden
-    return layer + injection
+    head_dim = q_dim // cfg.num_attention_heads
+    r, m, k, p = transfer_dim, message_size, candidate_k, param_dtype_bytes
+    f = 4 // p
+    norm = f * hidden + 2 * hidden
+    return ActivationElements(
+        layer=2 * norm + (f + 4) * q_dim + (f + 3) * kv_dim + 4 * inter,
+        injection=2 * hidden + 2 * r + 2 * r + 3 * m + (f + 1) * hidden,
+        rope=2 * head_dim,
+        context=norm,
+        context_layer=(f + 3) * kv_dim,
+        supervised=(
+            2 * hidden
+            + (f + 1) * hidden + 2 * r + 3 * m
+            + (f + 1) * hidden + k * hidden
+            + 2 * draft_num_layers * f * r
+            + 2 * 8 // p + 8 * f
+        ),
+    )
 
 
 def attention_items(
@@ -425,18 +493,24 @@ def estimate_memory(
                                    output, SwiGLU gate/up/product)
         context features           b*S * n*H * p (target hidden states at the n layers)
         target final hidden        b*S * H * p (for the target's own next-token distribution)
-        draft context path         b*S * (2H + N*3kv) * p: fc output and its norm, then per layer
-                                   the context keys before norm, keys and values.
-                                   Checkpointed: b*S * (2H + 3kv) * p
-        draft block activations    b*A*B * N * E * p with E from `draft_slot_activation_elements`.
-                                   Checkpointed: b*A*B * (N*H + E) * p (layer inputs plus one
-                                   layer recomputed in backward)
+        draft context path         b*S * (context + rope + N * context_layer) * p with the
+                                   per-position counts of `draft_activation_elements`: the
+                                   fused features through hidden_norm, RoPE cos/sin, per layer
+                                   the context keys (k_norm) and the K/V. Checkpointed: one
+                                   layer's context_layer instead of N
+        draft block activations    (b*A*B * N * layer + b*A*(B-1) * N * injection
+                                   + b*A*B * rope) * p (`draft_activation_elements`).
+                                   Checkpointed: b*A*B * (N*H + layer) and one layer's
+                                   injection (layer inputs plus one layer recomputed)
         attention (2 items)        `attention_items` for `attention_path`: the mask (flex
                                    tile indices, or dense boolean + additive masks) and the
                                    fp32 logsumexp, N layers (one when checkpointed)
-        loss chunk                 c * (4 * V * 4 + K*H * p): 4 fp32 full-vocabulary tensors
-                                   (LOGIT_BUFFERS_PER_CHUNK) and the K gathered head rows per
-                                   slot of the refinement term
+        loss activations           b*A*(B-1) * supervised * p: what the objective keeps per
+                                   supervised slot outside its chunks (selected rows, the
+                                   refinement's write, norm and K gathered head rows, the
+                                   alignment's fp32 features)
+        loss chunk                 c * 4 * V * 4: 4 fp32 full-vocabulary tensors
+                                   (LOGIT_BUFFERS_PER_CHUNK), transient (checkpointed)
 
     Args:
         target_config: the target's HF config (no weights are read).
@@ -581,24 +655,30 @@ def estimate_memory(
         MemoryItem("target final hidden", tokens * hidden * p, f"b*S * H * {p} B"),
     ]
 
-    slot_elements = draft_slot_activation_elements(
-        cfg, transfer_dim=transfer_dim, message_size=message_size
+    act = draft_activation_elements(
+        cfg, draft_num_layers=draft_num_layers, transfer_dim=transfer_dim,
+        message_size=message_size, candidate_k=candidate_k, param_dtype_bytes=p,
     )
-    multiplier = slot_elements / hidden
+    drafted = micro_batch_size * num_anchors * (block_size - 1)  # b*A*(B-1), slots 1..B-1
+    layer_h, inject_h = act.layer / hidden, act.injection / hidden
+    ctx_h, ctx_kv = act.context / hidden, act.context_layer / kv_dim
     if activation_checkpointing:
-        context_elements = 2 * hidden + 3 * kv_dim
-        context_formula = "b*S * (2H + 3kv)"
-        block_bytes = slots * (draft_num_layers * hidden + slot_elements) * p
-        block_formula = f"b*A*B * (N*H + {multiplier:.2f} H) * {p} B (checkpointed)"
+        # every layer's input (H per slot) plus one layer recomputed in backward
+        block_bytes = (slots * (draft_num_layers * hidden + act.layer) + drafted * act.injection
+                       + slots * act.rope) * p
+        block_formula = (f"(b*A*B * (N*H + {layer_h:.2f} H) + b*A*(B-1) * {inject_h:.2f} H "
+                         f"+ b*A*B * 2 head_dim) * {p} B (checkpointed)")
+        context_bytes = tokens * (act.context + act.rope + act.context_layer) * p
+        context_formula = f"b*S * ({ctx_h:.2f} H + 2 head_dim + {ctx_kv:.2f} kv) * {p} B"
     else:
-        context_elements = 2 * hidden + draft_num_layers * 3 * kv_dim
-        context_formula = "b*S * (2H + N*3kv)"
-        block_bytes = slots * draft_num_layers * slot_elements * p
-        block_formula = f"b*A*B * N * {multiplier:.2f} H * {p} B"
+        block_bytes = (slots * draft_num_layers * act.layer
+                       + drafted * draft_num_layers * act.injection + slots * act.rope) * p
+        block_formula = (f"(b*A*B * N * {layer_h:.2f} H + b*A*(B-1) * N * {inject_h:.2f} H "
+                         f"+ b*A*B * 2 head_dim) * {p} B")
+        context_bytes = tokens * (act.context + act.rope + draft_num_layers * act.context_layer) * p
+        context_formula = f"b*S * ({ctx_h:.2f} H + 2 head_dim + N * {ctx_kv:.2f} kv) * {p} B"
     items += [
-        MemoryItem(
-            "draft context path", tokens * context_elements * p, f"{context_formula} * {p} B"
-        ),
+        MemoryItem("draft context path", context_bytes, context_formula),
         MemoryItem("draft block activations", block_bytes, block_formula),
     ]
     items += attention_items(
@@ -614,9 +694,15 @@ def estimate_memory(
     )
     items += [
         MemoryItem(
-            "loss chunk (logits + refinement rows)",
-            logits_chunk_size * (LOGIT_BUFFERS_PER_CHUNK * vocab * 4 + candidate_k * hidden * p),
-            f"c * ({LOGIT_BUFFERS_PER_CHUNK} * V * 4 B + K*H * {p} B)",
+            "loss activations (supervised slots)",
+            drafted * act.supervised * p,
+            f"b*A*(B-1) * {act.supervised / hidden:.2f} H * {p} B (K = {candidate_k} head rows "
+            "per slot for the refinement term among them)",
+        ),
+        MemoryItem(
+            "loss chunk (full-vocabulary logits)",
+            logits_chunk_size * LOGIT_BUFFERS_PER_CHUNK * vocab * 4,
+            f"c * {LOGIT_BUFFERS_PER_CHUNK} * V * 4 B",
         ),
     ]
     return MemoryPlan(
