@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from .training.draft_step import DraftStep
 from .training.target import TargetFeatureExtractor, TargetFeatures
@@ -353,7 +354,7 @@ def run_parity(engine: Any, step: DraftStep, features: FeatureFn,
     all_counts: list[int] = []
     walk_counts: list[int] = []
     dataset_counts: list[int] | None = [] if any(r.response for r in rows) else None
-    for row in rows:
+    for row in tqdm(rows, desc="parity (engine + simulated)", unit="row"):
         budget = max_new_tokens or (len(row.response) if row.response else 256)
         result = engine.generate([row.prompt], max_new_tokens=budget, chat=False,
                                  num_draft_tokens=g)
