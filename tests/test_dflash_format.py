@@ -46,14 +46,6 @@ NEW = 24  # new tokens per prompt
 VOCAB = 200  # ids the tokenizer uses; the mask token is 200
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny Qwen3 target (6 layers), a briefly trained `method: dflash` draft exported in

@@ -21,15 +21,6 @@ from dspine_train.engine import Engine, load_target
 NEW = 24  # new tokens per prompt in the greedy tests
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra BLAS threads only contend.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny Qwen3 target (6 layers) with tokenizer, prompts, HF greedy outputs, two drafts."""

@@ -30,14 +30,6 @@ RESERVED = {"llama": "<|reserved_special_token_0|>", "gemma": "<unused0>"}
 END_OF_TURN = {"llama": "<|eot_id|>", "gemma": "<end_of_turn>"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> dict:
     """family -> (directory, HF model, tokenizer)."""

@@ -37,14 +37,6 @@ from dspine_train.training.target import TargetFeatures
 RESPONSE = 24  # tokens of each row's response
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Target, a draft trained briefly on 8 of the prompts' greedy continuations (saved), and

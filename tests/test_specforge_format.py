@@ -37,14 +37,6 @@ THEIR_NAMES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _randomise_injection(draft, seed: int) -> None:
     """Unit-norm token codes and non-zero writes and gates: the injection changes proposals."""
     gen = torch.Generator().manual_seed(seed)

@@ -32,14 +32,6 @@ VOCAB = 200  # ids the tokenizer would use; the mask token is 200
 LAYERS = 6  # target depth
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _perturb_norms(draft: DSpineDraftModel) -> DSpineDraftModel:
     """Non-trivial norm weights, so a misplaced or missing norm shows in the logits."""
     torch.manual_seed(1)

@@ -52,14 +52,6 @@ NEW = 24
 SMALL = dict(transfer_dim=16, message_size=16, candidate_k=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny Qwen3 target (6 layers), a briefly trained DFlash draft for it in DFlash format

@@ -79,8 +79,10 @@ def check_exportable(config: DSpineConfig, source: str, fmt: str = "dflash") -> 
         )
 
 
-def config_dict(config: DSpineConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The DFlash `config.json` of a draft with `config` and weights of `dtype`."""
+def backbone_config_dict(config: DSpineConfig, dtype: torch.dtype,
+                         architecture: str) -> dict[str, Any]:
+    """The Qwen3 backbone fields of a draft's `config.json` (the DFlash family's and SpecForge's
+    formats share them) under `architectures: [architecture]`, weights of `dtype`."""
     qwen = Qwen3Config(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -100,10 +102,16 @@ def config_dict(config: DSpineConfig, dtype: torch.dtype) -> dict[str, Any]:
     out = qwen.to_dict()
     for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
         out.pop(key, None)
-    out["architectures"] = [ARCHITECTURE]
+    out["architectures"] = [architecture]
     out["dtype"] = str(dtype).removeprefix("torch.")
     # Older transformers read RoPE from top-level keys; the same values as rope_parameters.
     out["rope_theta"] = float(config.rope_parameters.get("rope_theta", 10000.0))
+    return out
+
+
+def config_dict(config: DSpineConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The DFlash `config.json` of a draft with `config` and weights of `dtype`."""
+    out = backbone_config_dict(config, dtype, ARCHITECTURE)
     out["is_causal"] = False  # attention over the whole block, as DFlash's default
     out["num_target_layers"] = config.target_num_layers
     out["dflash_config"] = dflash_block(config)

@@ -90,7 +90,7 @@ import torch
 from transformers import Qwen3Config
 
 from ..modeling import DSpineConfig, DSpineDraftModel
-from .dflash import FormatError
+from .dflash import FormatError, backbone_config_dict
 
 ARCHITECTURE = "DSpineDraftModel"
 # Our state-dict names whose SpecForge name differs (every other tensor keeps its name).
@@ -156,28 +156,7 @@ def check_exportable(config: DSpineConfig, source: str) -> None:
 
 def config_dict(config: DSpineConfig, dtype: torch.dtype) -> dict[str, Any]:
     """SpecForge's `config.json` for a draft with `config` and weights of `dtype`."""
-    qwen = Qwen3Config(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        hidden_act=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=dict(config.rope_parameters),
-        attention_bias=config.attention_bias,
-        initializer_range=config.initializer_range,
-        tie_word_embeddings=False,
-    )
-    out = qwen.to_dict()
-    for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
-        out.pop(key, None)
-    out["architectures"] = [ARCHITECTURE]
-    out["dtype"] = str(dtype).removeprefix("torch.")
-    out["rope_theta"] = float(config.rope_parameters.get("rope_theta", 10000.0))
+    out = backbone_config_dict(config, dtype, ARCHITECTURE)
     out["block_size"] = config.block_size
     out["is_causal"] = config.block_attention == "causal"
     out["num_target_layers"] = config.target_num_layers
