@@ -109,6 +109,26 @@ def backbone_config_dict(config: DSpineConfig, dtype: torch.dtype,
     return out
 
 
+def backbone_fields(qwen: Qwen3Config) -> dict[str, Any]:
+    """The `DSpineConfig` fields a Qwen3 backbone config gives (the reverse of
+    `backbone_config_dict`)."""
+    hidden = qwen.hidden_size
+    return dict(
+        vocab_size=qwen.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=qwen.intermediate_size,
+        num_attention_heads=qwen.num_attention_heads,
+        num_key_value_heads=qwen.num_key_value_heads,
+        head_dim=getattr(qwen, "head_dim", None) or hidden // qwen.num_attention_heads,
+        hidden_act=qwen.hidden_act,
+        rms_norm_eps=qwen.rms_norm_eps,
+        max_position_embeddings=qwen.max_position_embeddings,
+        rope_parameters=dict(qwen.rope_parameters),
+        attention_bias=bool(qwen.attention_bias),
+        num_layers=qwen.num_hidden_layers,
+    )
+
+
 def config_dict(config: DSpineConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The DFlash `config.json` of a draft with `config` and weights of `dtype`."""
     out = backbone_config_dict(config, dtype, ARCHITECTURE)
@@ -188,19 +208,8 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     try:
         return DSpineConfig(
             method="dflash",
-            vocab_size=qwen.vocab_size,
-            hidden_size=hidden,
-            intermediate_size=qwen.intermediate_size,
-            num_attention_heads=qwen.num_attention_heads,
-            num_key_value_heads=qwen.num_key_value_heads,
-            head_dim=getattr(qwen, "head_dim", None) or hidden // qwen.num_attention_heads,
-            hidden_act=qwen.hidden_act,
-            rms_norm_eps=qwen.rms_norm_eps,
-            max_position_embeddings=qwen.max_position_embeddings,
-            rope_parameters=dict(qwen.rope_parameters),
+            **backbone_fields(qwen),
             embed_scale=float(value("input_embedding_scale") or 1.0),
-            attention_bias=bool(qwen.attention_bias),
-            num_layers=qwen.num_hidden_layers,
             target_layer_ids=value("target_layer_ids"),  # None: the same formula as DFlash's
             target_num_layers=int(depth),
             block_size=int(value("block_size") or 16),

@@ -90,7 +90,7 @@ import torch
 from transformers import Qwen3Config
 
 from ..modeling import DSpineConfig, DSpineDraftModel
-from .dflash import FormatError, backbone_config_dict
+from .dflash import FormatError, backbone_config_dict, backbone_fields
 
 ARCHITECTURE = "DSpineDraftModel"
 # Our state-dict names whose SpecForge name differs (every other tensor keeps its name).
@@ -252,24 +252,12 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
                               if k not in ("dflash_config", "dspine_config", EXTRA_BLOCK)})
     except (TypeError, ValueError) as err:
         raise FormatError(f"{source}: config.json is not a Qwen3 config: {err}") from err
-    hidden = qwen.hidden_size
     try:
         return DSpineConfig(
             method="dspine",
-            vocab_size=qwen.vocab_size,
-            hidden_size=hidden,
-            intermediate_size=qwen.intermediate_size,
-            num_attention_heads=qwen.num_attention_heads,
-            num_key_value_heads=qwen.num_key_value_heads,
-            head_dim=getattr(qwen, "head_dim", None) or hidden // qwen.num_attention_heads,
-            hidden_act=qwen.hidden_act,
-            rms_norm_eps=qwen.rms_norm_eps,
-            max_position_embeddings=qwen.max_position_embeddings,
-            rope_parameters=dict(qwen.rope_parameters),
+            **backbone_fields(qwen),
             embed_scale=1.0,
-            attention_bias=bool(qwen.attention_bias),
             initializer_range=qwen.initializer_range,
-            num_layers=qwen.num_hidden_layers,
             target_layer_ids=block.get("target_layer_ids"),  # None: SpecForge's = our formula
             target_num_layers=int(depths.pop()),
             block_size=int(sizes.pop()),
