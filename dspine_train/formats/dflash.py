@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import Qwen3Config
 
+from ..checkpoint_io import SafetensorsWeights, WeightsError
 from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -232,20 +232,21 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         raise FormatError(f"{path}: unreadable ({err})") from err
 
 
+def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `directory` (`model.safetensors`, or the index and its
+    shards: `checkpoint_io.SafetensorsWeights`); `FormatError` naming the file when unreadable."""
+    try:
+        with SafetensorsWeights(directory) as weights:
+            return dict(weights.tensors())
+    except WeightsError as err:
+        raise FormatError(str(err)) from err
+
+
 def read_backbone(directory: str | Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The backbone tensors of the DFlash checkpoint at `directory` (every `*.safetensors`),
     checked against a draft's state dict `expected`: every backbone tensor present with its
     shape and nothing else, or `FormatError` naming the missing, unexpected and mismatched."""
-    directory = Path(directory)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FormatError(f"{directory}: no *.safetensors weights (safetensors only)")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            tensors.update(load_file(str(path)))
-        except Exception as err:  # safetensors raises its own error types for a bad file
-            raise FormatError(f"{path}: unreadable safetensors ({err})") from err
+    tensors = read_tensors(directory)
     unexpected = sorted(k for k in tensors if k not in expected or not is_backbone_key(k))
     missing = sorted(k for k in expected if is_backbone_key(k) and k not in tensors)
     mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"

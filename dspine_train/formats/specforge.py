@@ -90,7 +90,7 @@ import torch
 from transformers import Qwen3Config
 
 from ..modeling import DSpineConfig, DSpineDraftModel
-from .dflash import FormatError, backbone_config_dict, backbone_fields
+from .dflash import FormatError, backbone_config_dict, backbone_fields, read_tensors
 
 ARCHITECTURE = "DSpineDraftModel"
 # Our state-dict names whose SpecForge name differs (every other tensor keeps its name).
@@ -294,22 +294,6 @@ def tensors_to_ours(tensors: dict[str, torch.Tensor], expected: dict[str, torch.
         raise FormatError(f"{source}: {READY} is false: SpecForge never initialised this draft's "
                           "token codes (transfer_codes are not trained values)")
     return {ours: tensors[theirs] for theirs, ours in ours_of.items()}
-
-
-def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's `*.safetensors` files; `FormatError` when unreadable."""
-    from safetensors.torch import load_file
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FormatError(f"{directory}: no *.safetensors weights (safetensors only)")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            tensors.update(load_file(str(path)))
-        except Exception as err:  # safetensors raises its own error types for a bad file
-            raise FormatError(f"{path}: unreadable safetensors ({err})") from err
-    return tensors
 
 
 def import_specforge(directory: str | Path) -> DSpineDraftModel:
