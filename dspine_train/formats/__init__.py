@@ -47,7 +47,7 @@ SIDE_FILES = {"dspine": ("token_table.safetensors", "training_info.json"),
 _DFLASH_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
 
 __all__ = ["FORMATS", "FormatError", "dspine_blocks", "export_dir", "import_dflash",
-           "load_draft", "write_format"]
+           "load_draft", "readable_format", "write_format"]
 
 
 def dspine_blocks(config: DSpineConfig) -> dict[str, Any]:
@@ -116,17 +116,25 @@ def import_dflash(directory: str | Path) -> DSpineDraftModel:
     return draft.to(dtype).eval()
 
 
+def readable_format(fields: dict[str, Any], source: str | Path) -> str:
+    """Which format a draft's `config.json` dict is in, of those read here: "specforge",
+    "dflash" or "dspine". A speculators-format draft is refused (`FormatError`)."""
+    if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
+        return "specforge"
+    if speculators.is_speculators_config(fields):  # its architectures name is DFlash's too
+        raise FormatError(f"{source}: a speculators-format draft; this project reads the "
+                          "dspine, dflash and specforge formats (export the draft's source again)")
+    return "dflash" if dflash.is_dflash_config(fields) else "dspine"
+
+
 def load_draft(directory: str | Path) -> DSpineDraftModel:
     """The draft exported at `directory`, in any format (a DFlash checkpoint is imported as a
     `method: dflash` draft, a SpecForge one as the DSpine draft it is); strict
     (`DSpineDraftModel.from_pretrained` / `import_dflash` / `specforge.import_specforge`)."""
-    fields = dflash.read_config(directory)
-    if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
+    fmt = readable_format(dflash.read_config(directory), directory)
+    if fmt == "specforge":
         return specforge.import_specforge(directory)
-    if speculators.is_speculators_config(fields):  # its architectures name is DFlash's too
-        raise FormatError(f"{directory}: a speculators-format draft; this project reads the "
-                          "dspine, dflash and specforge formats (export the draft's source again)")
-    if dflash.is_dflash_config(fields):
+    if fmt == "dflash":
         return import_dflash(directory)
     return DSpineDraftModel.from_pretrained(str(directory))
 

@@ -242,6 +242,17 @@ def read_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
         raise FormatError(str(err)) from err
 
 
+def check_weights(source: str | Path, missing: list[str], unexpected: list[str],
+                  mismatched: list[str]) -> None:
+    """`FormatError` naming every missing, unexpected and mismatched tensor, if there is any."""
+    problems = [f"{kind}: {', '.join(keys)}" for kind, keys in
+                (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
+                if keys]
+    if problems:
+        raise FormatError(f"{source}: the weights do not match its config.json ("
+                          + "; ".join(problems) + ")")
+
+
 def read_backbone(directory: str | Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The backbone tensors of the DFlash checkpoint at `directory` (every `*.safetensors`),
     checked against a draft's state dict `expected`: every backbone tensor present with its
@@ -251,10 +262,5 @@ def read_backbone(directory: str | Path, expected: dict[str, torch.Tensor]) -> d
     missing = sorted(k for k in expected if is_backbone_key(k) and k not in tensors)
     mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
                         for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
-    problems = [f"{kind}: {', '.join(keys)}" for kind, keys in
-                (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
-                if keys]
-    if problems:
-        raise FormatError(f"{directory}: the weights do not match its config.json ("
-                          + "; ".join(problems) + ")")
+    check_weights(directory, missing, unexpected, mismatched)
     return tensors

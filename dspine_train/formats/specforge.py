@@ -90,7 +90,13 @@ import torch
 from transformers import Qwen3Config
 
 from ..modeling import DSpineConfig, DSpineDraftModel
-from .dflash import FormatError, backbone_config_dict, backbone_fields, read_tensors
+from .dflash import (
+    FormatError,
+    backbone_config_dict,
+    backbone_fields,
+    check_weights,
+    read_tensors,
+)
 
 ARCHITECTURE = "DSpineDraftModel"
 # Our state-dict names whose SpecForge name differs (every other tensor keeps its name).
@@ -283,12 +289,7 @@ def tensors_to_ours(tensors: dict[str, torch.Tensor], expected: dict[str, torch.
     mismatched = sorted(
         f"{t} {tuple(tensors[t].shape)} (expected {tuple(expected[o].shape)})"
         for t, o in ours_of.items() if t in tensors and tensors[t].shape != expected[o].shape)
-    problems = [f"{kind}: {', '.join(keys)}" for kind, keys in
-                (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
-                if keys]
-    if problems:
-        raise FormatError(f"{source}: the weights do not match its config.json ("
-                          + "; ".join(problems) + ")")
+    check_weights(source, missing, unexpected, mismatched)
     ready = tensors[READY]
     if ready.numel() != 1 or not bool(ready.reshape(())):
         raise FormatError(f"{source}: {READY} is false: SpecForge never initialised this draft's "

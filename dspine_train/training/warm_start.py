@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..formats import FormatError, dflash, specforge, speculators
+from ..formats import FormatError, dflash, readable_format
 from ..modeling import DSpineConfig, DSpineDraftModel
 from .errors import TrainingError
 
@@ -57,12 +57,7 @@ def dflash_checkpoint(init_from: str | None) -> DSpineConfig | None:
         return None
     try:
         fields = dflash.read_config(init_from)
-        if specforge.is_specforge_config(fields):  # a DSpine draft (it has a dflash_config too)
-            return None
-        if speculators.is_speculators_config(fields):
-            raise FormatError(f"{init_from}: a speculators-format draft; model.init_from reads "
-                              "the dspine, dflash and specforge formats")
-        if not dflash.is_dflash_config(fields):
+        if readable_format(fields, init_from) != "dflash":  # ours or SpecForge's: load_draft
             return None
         return dflash.config_from_dict(fields, init_from)
     except FormatError as err:
