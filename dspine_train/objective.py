@@ -6,9 +6,11 @@ unsupervised slot):
 * backbone:   c * CE(label) + (1 - c) * L1(p_draft, p_target)        (label CE only without distill)
 * refinement: over the backbone's top-K candidates (detached), the last-write refined scores given
   the *true* predecessor: c * CE(label | label in C) + (1 - c) * L1 against p_target restricted to
-  C and renormalised (only where p_target puts > 1e-4 of its mass on C)
-* alignment:  mean over layers of 1 - cos(f^l_t, T[label]), scaled by beta * CE(detached), beta
-  rising linearly to `alignment_weight` over `alignment_warmup_steps`
+  C and renormalised (only where p_target puts > 1e-4 of its mass on C); averaged over the
+  slots where each applies, or over every supervised slot (`refine_normalization`)
+* alignment:  sum (or mean, `alignment_layer_reduction`) over layers of 1 - cos(f^l_t, T[label]),
+  scaled by beta * CE(detached), beta rising linearly to `alignment_weight` over
+  `alignment_warmup_steps`
 * ablation:   full-vocabulary CE after every intermediate layer when `token_ce_intermediate`
 
 Full-vocabulary logits exist for one chunk of slots at a time and are recomputed in backward
@@ -56,19 +58,21 @@ def sample_anchors(
     return anchors, anchor_mask
 
 
-def replacement_probability(step: int, total_steps: int, start: float = 0.5) -> float:
+def replacement_probability(step: int, total_steps: int, start: float = 0.5,
+                            hold: float = 1 / 6, end: float = 1 / 3) -> float:
     """Share of blocks whose first layers hear the true predecessor (SPEC 2.2 curriculum).
 
-    `start` for the first sixth of training, then linearly down to 0 at one third.
+    `start` for the first `hold` of training, then linearly down to 0 at `end` (shares of
+    `total_steps`; SPEC: 0.5, 1/6, 1/3).
     """
     if total_steps <= 0:
         return 0.0
     frac = step / total_steps
-    if frac < 1 / 6:
+    if frac < hold:
         return start
-    if frac >= 1 / 3:
+    if frac >= end:
         return 0.0
-    return start * (1 / 3 - frac) / (1 / 6)
+    return start * (end - frac) / (end - hold)
 
 
 def slot_weights(
@@ -200,14 +204,19 @@ def dspine_loss(
         scores = draft.refined_scores(pre, recv, true_pred[:, None], cand)[:, 0].float()  # (n, K)
         logq = torch.log_softmax(scores, dim=-1)
         label_idx = in_cand.float().argmax(-1)
-        refine_ce = _weighted_mean(-logq.gather(-1, label_idx[:, None]).squeeze(-1), w * covered)
+        # "covered": over the slots whose label is a candidate; "supervised" (SpecForge): over
+        # every supervised slot, the uncovered ones adding zero.
+        every = cfg.refine_normalization == "supervised"
+        refine_ce = _weighted_mean(-logq.gather(-1, label_idx[:, None]).squeeze(-1) * covered,
+                                   w if every else w * covered)
         refine = refine_ce
         metrics["refine_ce"] = refine_ce.detach()
         if distill:
             mass = p_cand.sum(-1)
             ok = (mass > cfg.distill_mass_threshold).float()
             p_restricted = p_cand / mass.clamp_min(1e-12)[:, None]
-            refine_l1 = _weighted_mean((logq.exp() - p_restricted).abs().sum(-1), w * ok)
+            refine_l1 = _weighted_mean((logq.exp() - p_restricted).abs().sum(-1) * ok,
+                                       w if every else w * ok)
             refine = c * refine_ce + (1 - c) * refine_l1
             metrics["refine_l1"] = refine_l1.detach()
         loss = loss + cfg.refine_weight * refine
@@ -219,7 +228,9 @@ def dspine_loss(
         for feats in out.layer_features:
             f = feats.reshape(-1, cfg.transfer_dim)[rows]
             cos_terms.append(1 - F.cosine_similarity(f.float(), target_codes.float(), dim=-1))
-        alignment = _weighted_mean(torch.stack(cos_terms).mean(0), w)
+        per_slot = torch.stack(cos_terms)  # (N, n): one term per layer
+        per_slot = per_slot.sum(0) if cfg.alignment_layer_reduction == "sum" else per_slot.mean(0)
+        alignment = _weighted_mean(per_slot, w)
         beta = alignment_scale(step, cfg.alignment_weight, cfg.alignment_warmup_steps)
         loss = loss + beta * backbone_ce.detach() * alignment
         metrics["alignment"] = alignment.detach()

@@ -85,8 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = p.add_argument_group("draft training")
     train.add_argument("--recipe", default="qwen2.5_coder_0.5b", help="train.py recipe")
     train.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    train.add_argument("--draft-layers", type=int, default=2)
-    train.add_argument("--block-size", type=int, default=8)
+    train.add_argument("--draft-layers", type=int, default=None,
+                       help="draft layers (default: the recipe's, for the demo recipe "
+                            "recipes/model/qwen2.5_coder_0.5b.yaml's)")
+    train.add_argument("--block-size", type=int, default=None,
+                       help="block size B (default: the recipe's)")
     train.add_argument("--num-anchors", type=int, default=16, help="blocks per sequence")
     train.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                        help="extra Hydra override for train.py and the feature cache")
@@ -160,8 +163,10 @@ def subprocess_env(args: argparse.Namespace) -> dict[str, str]:
     """Offline, no wandb upload, the shared DeepSpeed op build, the chosen thread count."""
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    # PYTHONUNBUFFERED: a child's prints reach its log as they happen, not when a pipe
+    # buffer fills or the child exits.
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     env.setdefault("WANDB_MODE", "offline")
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -169,7 +174,8 @@ def subprocess_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run_logged(command: list[str], log: Path, env: dict[str, str]) -> None:
-    """Run `command`, showing its output (progress bars included) and saving it to `log`."""
+    """Run `command`, showing its output (progress bars included) and saving it to `log` as
+    it comes (each chunk flushed: the log can be followed while the stage runs)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     print("$ " + " ".join(command), flush=True)
     with open(log, "wb") as saved:
@@ -178,6 +184,7 @@ def run_logged(command: list[str], log: Path, env: dict[str, str]) -> None:
         assert proc.stdout is not None
         while chunk := proc.stdout.read1(4096):
             saved.write(chunk)
+            saved.flush()
             sys.stdout.buffer.write(chunk)
             sys.stdout.buffer.flush()
         code = proc.wait()
@@ -449,6 +456,32 @@ def train_overrides(demo: Demo) -> list[str]:
             "logging.wandb=false", *a.train_override]
 
 
+def resolve_draft_shape(args: argparse.Namespace) -> None:
+    """Fill `--draft-layers` / `--block-size` left unset with the recipe's values (its model
+    group, then `--train-override`), or DSpineConfig's defaults where the recipe sets none: the
+    recipe stays the one source of the draft's shape, and the stage records name it."""
+    if args.draft_layers is not None and args.block_size is not None:
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dspine_train.modeling import DSpineConfig
+    from dspine_train.training.config import register_configs
+
+    register_configs()
+    try:
+        with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
+            model = compose("config", overrides=[f"recipe={args.recipe}",
+                                                 *args.train_override]).model
+    except (HydraException, OmegaConfBaseException) as err:
+        raise DemoError(f"training config (--recipe/--train-override): {err}") from err
+    if args.draft_layers is None:
+        args.draft_layers = model.num_layers or DSpineConfig.num_layers
+    if args.block_size is None:
+        args.block_size = model.block_size or DSpineConfig.block_size
+
+
 def train_config(demo: Demo) -> Any:
     """The composed and validated training config (fails fast on a bad override)."""
     from hydra import compose, initialize_config_dir
@@ -584,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
+        resolve_draft_shape(args)
         os.environ.update({k: v for k, v in subprocess_env(args).items()
                            if k.startswith(("HF_", "TRANSFORMERS_", "TOKENIZERS_"))})
         from data_prep.config import default_target_dir

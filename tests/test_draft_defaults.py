@@ -57,6 +57,13 @@ def _other_value(name: str, base: object) -> object:
         return "dflash" if base == "dspine" else "dspine"
     if name == "block_attention":
         return "bidirectional" if base == "causal" else "causal"
+    choices = {"readout_init": ("whitened", "directions"),
+               "alignment_layer_reduction": ("sum", "mean"),
+               "refine_normalization": ("covered", "supervised")}
+    if name in choices:
+        return next(v for v in choices[name] if v != base)
+    if name == "replacement_end_ratio":
+        return (base + 1) / 2  # stays above the hold ratio and at most 1
     if isinstance(base, bool):
         return not base
     if isinstance(base, int):

@@ -163,7 +163,9 @@ def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, ou
                                         draft.token_codes[label], dim=0)
                     for layer, layer_out in enumerate(out.layer_hidden)
                 ]
-                add("alignment", 1 - torch.stack(cosines).mean(), w)
+                per_layer = 1 - torch.stack(cosines)  # SPEC 2.3: one term per layer, summed
+                add("alignment", per_layer.sum() if cfg.alignment_layer_reduction == "sum"
+                    else per_layer.mean(), w)
     ref = {name: sums[name] / sums[name + "/w"] for name in sums if not name.endswith("/w")}
     c = cfg.ce_weight
     beta = alignment_scale(step, cfg.alignment_weight, cfg.alignment_warmup_steps)

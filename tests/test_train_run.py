@@ -39,6 +39,8 @@ def tiny_run(tiny_assets, tmp_path_factory) -> Path:
     proc = run_train(tiny_overrides(tiny_assets, out, f"checkpoint.every={HALF}"))
     check_ok(proc)
     assert "draft attention on cpu: dense SDPA" in proc.stdout  # the log names the path
+    # one readable line per logged step, s/step beside tokens/s (a log file keeps them)
+    assert f"step {STEPS}/{STEPS} | loss " in proc.stdout and " s/step" in proc.stdout
     return out
 
 
@@ -97,8 +99,9 @@ def test_tiny_recipe_trains_with_deepspeed_zero2_and_the_loss_falls(tiny_run: Pa
     assert (ckpt / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
     rows = [r for r in read_metrics(tiny_run) if "loss" in r]
     for key in ("backbone_ce", "backbone_l1", "refine_ce", "alignment", "top1_acc",
-                "candidate_coverage", "lr", "tokens_per_s"):
+                "candidate_coverage", "lr", "tokens_per_s", "s_per_step"):
         assert all(key in r for r in rows), key
+    assert all(r["s_per_step"] > 0 for r in rows)
     lrs = [r["lr"] for r in rows]
     assert lrs[0] == 0.0 and max(lrs) == pytest.approx(1e-2, rel=0.05)  # warmup, then peak
     assert lrs[-1] < lrs[len(lrs) // 2]  # cosine decay

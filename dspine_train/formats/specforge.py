@@ -20,10 +20,9 @@ norm epsilon, `num_hidden_layers` = draft layers, `attention_bias`), `architectu
     alignment_warmup_steps     alignment_warmup_steps    (SpecForge default 146, ours 150)
     replacement_layers         replacement_layers
     candidate_mass_threshold   distill_mass_threshold
-    replacement_probability    -                         training schedule only: our trainer
-    replacement_hold_ratio     -                         fixes 0.5, 1/6, 1/3 (`objective.
-    replacement_end_ratio      -                         replacement_probability`); other values
-                                                         are read with a warning naming them
+    replacement_probability    replacement_probability   the curriculum (SPEC 2.2)
+    replacement_hold_ratio     replacement_hold_ratio
+    replacement_end_ratio      replacement_end_ratio
     is_causal: true / false    block_attention: causal / bidirectional (SpecForge's mask: a slot
                                sees the context before its anchor and, when causal, the slots
                                of its block up to itself). Unset, SpecForge's mask helper falls
@@ -37,8 +36,11 @@ Anything else is refused by name: a key this module does not know (top level, `d
 or `dspine_config`), sliding-window layers, and DFlash-family options that change the network
 (`attention_mode(s)` other than gqa/mha, `projector_type`, `pure_draft_prefix_len`,
 `shift_label`). Our fields SpecForge has no key for (`loss_gamma`, `distill`, `refine_weight`,
-`token_ce_intermediate`, the target's identity) travel in an extra `dspine_train_config` block,
-which SpecForge's config class keeps as an attribute and never reads.
+`token_ce_intermediate`, the objective options `refine_normalization`,
+`alignment_layer_reduction`, `readout_init`, the target's identity) travel in an extra
+`dspine_train_config` block, which SpecForge's config class keeps as an attribute and never
+reads. A checkpoint without that block (one SpecForge wrote) gets SpecForge's own objective
+options (`SPECFORGE_OBJECTIVE`), so continuing its training here keeps its objective.
 
 **Tensors.** The backbone (`fc`, `hidden_norm`, `layers.N.*`, `norm`) has our names. Injection:
 
@@ -81,8 +83,6 @@ written).
 
 from __future__ import annotations
 
-import math
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +117,17 @@ DSPINE_KEYS = {
     "alignment_warmup_steps": "alignment_warmup_steps",
     "replacement_layers": "replacement_layers",
     "candidate_mass_threshold": "distill_mass_threshold",
+    "replacement_probability": "replacement_probability",
+    "replacement_hold_ratio": "replacement_hold_ratio",
+    "replacement_end_ratio": "replacement_end_ratio",
 }
-# SpecForge's replacement schedule keys, with the values our trainer uses (training only).
-SCHEDULE = {"replacement_probability": 0.5, "replacement_hold_ratio": 1 / 6,
-            "replacement_end_ratio": 1 / 3}
+# The objective options as SpecForge's trainer has them (ours differ by default: DSpineConfig).
+SPECFORGE_OBJECTIVE = {"refine_normalization": "supervised", "alignment_layer_reduction": "sum",
+                       "readout_init": "directions"}
 # Our fields SpecForge has no key for, carried in a block of their own.
 EXTRA_BLOCK = "dspine_train_config"
 EXTRA_FIELDS = ("loss_gamma", "distill", "refine_weight", "token_ce_intermediate",
+                *SPECFORGE_OBJECTIVE,
                 "target_name_or_path", "target_model_type", "target_vocab_size")
 # `dflash_config` keys: those read, and DFlash-family options with the value that is our network.
 DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "block_size", "num_target_layers")
@@ -169,7 +173,6 @@ def config_dict(config: DSpineConfig, dtype: torch.dtype) -> dict[str, Any]:
     out["dflash_config"] = {"mask_token_id": config.mask_token_id,
                             "target_layer_ids": list(config.target_layer_ids)}
     block = {key: getattr(config, ours) for key, ours in DSPINE_KEYS.items()}
-    block.update(SCHEDULE)
     out["dspine_config"] = block
     out[EXTRA_BLOCK] = {name: getattr(config, name) for name in EXTRA_FIELDS}
     return out
@@ -183,10 +186,6 @@ def state_dict(draft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- reading
-def _close(a: Any, b: float) -> bool:
-    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isclose(a, b)
-
-
 def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     """Our `DSpineConfig` for a SpecForge DSpine `config.json`; `FormatError` names every key
     that is unknown, missing or set to something this project's network is not."""
@@ -233,7 +232,7 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     spine = fields.get("dspine_config")
     if not isinstance(spine, dict):
         spine, problems = {}, [*problems, "dspine_config missing or not a mapping"]
-    expected = set(DSPINE_KEYS) | set(SCHEDULE)
+    expected = set(DSPINE_KEYS)
     problems += [f"unknown key dspine_config.{k}" for k in sorted(set(spine) - expected)]
     problems += [f"dspine_config.{k} missing" for k in sorted(expected - set(spine))]
     for key in ("transfer_rank", "message_size", "top_k", "alignment_warmup_steps",
@@ -247,12 +246,6 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     if problems:
         raise FormatError(f"{source}: config.json of a SpecForge DSpine draft: "
                           + "; ".join(problems))
-    for key, ours in SCHEDULE.items():
-        if not _close(spine[key], ours):
-            warnings.warn(f"{source}: dspine_config.{key}={spine[key]!r} is a training schedule "
-                          f"setting this project fixes at {ours:.6g}; the draft loads as is, "
-                          "but continuing its training here uses this project's schedule",
-                          stacklevel=3)
     try:
         qwen = Qwen3Config(**{k: v for k, v in fields.items()
                               if k not in ("dflash_config", "dspine_config", EXTRA_BLOCK)})
@@ -272,7 +265,7 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
             injection=True,
             transition_cache=True,
             **{ours: spine[key] for key, ours in DSPINE_KEYS.items()},
-            **extra,
+            **{**SPECFORGE_OBJECTIVE, **extra},
         )
     except (TypeError, ValueError) as err:
         raise FormatError(f"{source}: {err}") from err

@@ -101,7 +101,15 @@ class DSpineConfig(PreTrainedConfig):
         transfer_dim: r, the dimension of the token codes / prediction features.
         message_size: width of the shared message M (r -> message_size).
         replacement_layers: the first layers that use true predecessor codes for the blocks
-            chosen by the replacement curriculum.
+            chosen by the replacement curriculum (SPEC 2.2: 3).
+        replacement_probability: p, the share of blocks the curriculum gives true predecessor
+            codes while it holds (SPEC 2.2: 0.5).
+        replacement_hold_ratio: share of training during which the share stays at p (1/6).
+        replacement_end_ratio: share of training at which the share has fallen linearly to 0
+            (1/3); the schedule is `training.curriculum.replacement_share`.
+        readout_init: how the readouts R_l start (SPEC 2.1): "whitened" (ours: a hidden state's
+            feature is its whitened position, diag(1/sqrt(eigenvalues)) directions^T) or
+            "directions" (SpecForge: the unwhitened directions^T).
         transition_cache: decode with the (B-1) x K x K transition cache (SPEC 2.4); False decodes
             each slot by its own argmax.
         candidate_k: K, candidates per slot for refinement and the transition cache.
@@ -112,6 +120,13 @@ class DSpineConfig(PreTrainedConfig):
         refine_weight: weight of the refinement term (0 disables it).
         alignment_weight: beta of the layer-wise cosine alignment (0 disables it).
         alignment_warmup_steps: steps over which beta rises linearly to `alignment_weight`.
+        alignment_layer_reduction: how the per-layer alignment terms combine: "sum" (SPEC 2.3
+            and SpecForge: every layer adds its own term) or "mean" (drafts trained before this
+            field existed: the sum divided by the number of layers).
+        refine_normalization: what the refinement terms are averaged over: "covered" (ours: the
+            CE over the weights of slots whose label is among the candidates, the L1 over those
+            where the target's candidate mass passes the threshold) or "supervised"
+            (SpecForge: over the weights of every supervised slot, the others adding zero).
         token_ce_intermediate: ablation switch, full-vocabulary CE after every layer.
         distill_mass_threshold: refinement L1 only where the target puts more than this mass
             on the candidates.
@@ -131,7 +146,14 @@ class DSpineConfig(PreTrainedConfig):
     # Fields added after drafts were first exported, with the value every older export had
     # (all of them were made for unscaled targets, and were DSpine drafts with their switches
     # as saved); any other missing field is an error.
-    added_fields: ClassVar[dict[str, Any]] = {"embed_scale": 1.0, "method": "dspine"}
+    # The objective settings added later get the values those drafts were trained with (the
+    # fixed curriculum, layer-averaged alignment, covered-slot refinement, whitened readouts).
+    added_fields: ClassVar[dict[str, Any]] = {
+        "embed_scale": 1.0, "method": "dspine",
+        "replacement_probability": 0.5, "replacement_hold_ratio": 1 / 6,
+        "replacement_end_ratio": 1 / 3, "readout_init": "whitened",
+        "alignment_layer_reduction": "mean", "refine_normalization": "covered",
+    }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
     fixed_fields: ClassVar[tuple[str, ...]] = ("tie_word_embeddings",)
@@ -167,6 +189,10 @@ class DSpineConfig(PreTrainedConfig):
     transfer_dim: int = 1024
     message_size: int = 512
     replacement_layers: int = 3
+    replacement_probability: float = 0.5
+    replacement_hold_ratio: float = 1 / 6
+    replacement_end_ratio: float = 1 / 3
+    readout_init: Literal["whitened", "directions"] = "whitened"
     transition_cache: bool | None = None
     candidate_k: int = 16
 
@@ -177,6 +203,8 @@ class DSpineConfig(PreTrainedConfig):
     refine_weight: float | None = None
     alignment_weight: float | None = None
     alignment_warmup_steps: int = 150
+    alignment_layer_reduction: Literal["sum", "mean"] = "sum"
+    refine_normalization: Literal["covered", "supervised"] = "covered"
     token_ce_intermediate: bool | None = None
     distill_mass_threshold: float = 1e-4
 
@@ -258,10 +286,14 @@ class DSpineConfig(PreTrainedConfig):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike,
                         **kwargs: Any) -> DSpineConfig:
-        """Load a draft config strictly: `check_export_dict` first, then as transformers does."""
+        """Load a draft config strictly: `check_export_dict` first, then as transformers does,
+        a field in `added_fields` that the export lacks set to its value there."""
         config_dict, _ = cls.get_config_dict(pretrained_model_name_or_path, **dict(kwargs))
         cls.check_export_dict(config_dict, str(pretrained_model_name_or_path))
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        # An older export lacks the fields added since: it gets the values it was made with.
+        older = {name: value for name, value in cls.added_fields.items()
+                 if name not in config_dict and name not in kwargs}
+        return super().from_pretrained(pretrained_model_name_or_path, **older, **kwargs)
 
     # ------------------------------------------------------------------ validation
     def check_consistency(self) -> None:
@@ -314,6 +346,29 @@ class DSpineConfig(PreTrainedConfig):
             raise ValueError(f"loss_gamma must be > 0, got {self.loss_gamma}")
         if not 0.0 <= self.ce_weight <= 1.0:
             raise ValueError(f"ce_weight must be in [0, 1], got {self.ce_weight}")
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        """The curriculum, alignment and refinement settings (SPEC 2.2, 2.3)."""
+        if self.replacement_layers < 0:
+            raise ValueError(f"replacement_layers must be >= 0, got {self.replacement_layers}")
+        if not 0.0 <= self.replacement_probability <= 1.0:
+            raise ValueError("replacement_probability must be in [0, 1], got "
+                             f"{self.replacement_probability}")
+        if not 0.0 <= self.replacement_hold_ratio < self.replacement_end_ratio <= 1.0:
+            raise ValueError(
+                "replacement_hold_ratio and replacement_end_ratio must satisfy 0 <= hold < end "
+                f"<= 1, got {self.replacement_hold_ratio} and {self.replacement_end_ratio}")
+        if self.alignment_warmup_steps < 0:
+            raise ValueError(
+                f"alignment_warmup_steps must be >= 0, got {self.alignment_warmup_steps}")
+        choices = {"readout_init": ("whitened", "directions"),
+                   "alignment_layer_reduction": ("sum", "mean"),
+                   "refine_normalization": ("covered", "supervised")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
 
     def validate_for_target(self, target_config: PreTrainedConfig, tokenizer: Any = None) -> None:
         """Check that this draft fits `target_config` (and its tokenizer); `ValueError` names the field."""

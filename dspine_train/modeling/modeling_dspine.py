@@ -179,10 +179,12 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         return self._target_embed, self._target_head
 
     def init_token_table(self, table) -> None:  # noqa: ANN001 - TokenTable, imported lazily
-        """Load the token codes and start every readout at the table's whitening directions.
+        """Load the token codes and start every readout at the table's directions.
 
-        The readout R_l = diag(1/sqrt(eigenvalues)) directions^T, so at initialisation a hidden
-        state's prediction feature is its (whitened) position in the transfer space (SPEC 2.1).
+        `readout_init: whitened`: R_l = diag(1/sqrt(eigenvalues)) directions^T, so at
+        initialisation a hidden state's prediction feature is its (whitened) position in the
+        transfer space (SPEC 2.1); `directions`: R_l = directions^T (SpecForge's init). The
+        feature is normalised either way; the two differ in how each direction is weighted.
         """
         cfg = self.config
         if tuple(table.codes.shape) != (cfg.vocab_size, cfg.transfer_dim):
@@ -192,7 +194,9 @@ class DSpineDraftModel(DSpinePreTrainedModel):
             )
         with torch.no_grad():
             self.token_codes.copy_(table.codes.to(self.token_codes))
-            readout = (table.directions / table.eigenvalues.clamp_min(1e-12).sqrt()).T  # (r, H)
+            readout = table.directions.T  # (r, H)
+            if cfg.readout_init == "whitened":
+                readout = (table.directions / table.eigenvalues.clamp_min(1e-12).sqrt()).T
             for layer_readout in self.injection.readouts:
                 layer_readout.weight.copy_(readout.to(layer_readout.weight))
 

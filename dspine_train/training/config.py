@@ -75,9 +75,19 @@ DraftMethod = StrEnum(
     {value: value for value in _literal_values("method")},
 )
 
+# The objective options where this project and SpecForge differ (`DSpineConfig` documents them).
+ReadoutInit = StrEnum("ReadoutInit", {v: v for v in _literal_values("readout_init")})
+AlignmentLayerReduction = StrEnum(
+    "AlignmentLayerReduction", {v: v for v in _literal_values("alignment_layer_reduction")})
+RefineNormalization = StrEnum(
+    "RefineNormalization", {v: v for v in _literal_values("refine_normalization")})
+
 # The Enum standing for each Literal field of DSpineConfig (OmegaConf checks Enums, not Literals).
 _LITERAL_ENUMS: dict[str, type[Enum]] = {"block_attention": BlockAttention,
-                                         "method": DraftMethod}
+                                         "method": DraftMethod,
+                                         "readout_init": ReadoutInit,
+                                         "alignment_layer_reduction": AlignmentLayerReduction,
+                                         "refine_normalization": RefineNormalization}
 
 
 def _schema_type(name: str, kind: Any) -> Any:
@@ -207,7 +217,7 @@ class OptimConfig:
         lr: peak learning rate.
         warmup_ratio: share of the optimizer steps spent warming up.
         weight_decay: decoupled weight decay (not applied to norms and biases).
-        betas: Adam betas.
+        betas: Adam (beta1, beta2): (0.9, 0.95) here; SpecForge's DSpine uses (0.9, 0.999).
         eps: Adam epsilon.
         max_grad_norm: global gradient-norm clip (DeepSpeed `gradient_clipping`); 0 disables.
         epochs: passes over the training data (used when `max_steps` is 0).
@@ -409,8 +419,8 @@ def validate_config(config: TrainConfig) -> None:
         raise ConfigError(f"optim.warmup_ratio must be in [0, 1), got {config.optim.warmup_ratio}")
     if config.optim.max_steps == 0 and config.optim.epochs <= 0:
         raise ConfigError("optim.epochs must be > 0 when optim.max_steps is 0")
-    if len(config.optim.betas) != 2:
-        raise ConfigError(f"optim.betas must hold two numbers, got {config.optim.betas}")
+    if len(config.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.optim.betas):
+        raise ConfigError(f"optim.betas must hold two numbers in [0, 1), got {config.optim.betas}")
     if config.deepspeed.stage not in (2, 3):
         raise ConfigError(f"deepspeed.stage must be 2 or 3, got {config.deepspeed.stage}")
     if config.export.format == ExportFormat.dflash:

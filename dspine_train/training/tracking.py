@@ -1,4 +1,6 @@
-"""Metrics on rank 0: one JSON line per logged step in `metrics.jsonl`, and Weights & Biases.
+"""Metrics on rank 0: one JSON line per logged step in `metrics.jsonl`, and Weights & Biases;
+`progress_line` is the readable line the trainer prints for each logged step (tokens/s and
+s/step among it).
 
 wandb runs offline unless `WANDB_API_KEY` is set or `WANDB_MODE` says otherwise, so a run on
 a machine without credentials never blocks on a login; `wandb sync` uploads it later.
@@ -74,3 +76,17 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+# The metrics `progress_line` shows, in order, with their formats (others stay in the file).
+PROGRESS_FIELDS = (("loss", "loss {:.4f}"), ("backbone_ce", "ce {:.3f}"),
+                   ("top1_acc", "acc {:.3f}"), ("tokens_per_s", "{:.0f} tokens/s"),
+                   ("s_per_step", "{:.2f} s/step"), ("lr", "lr {:.2e}"))
+
+
+def progress_line(step: int, total_steps: int, row: dict[str, float]) -> str:
+    """One readable line for a logged step: `step 5/150 | loss ... | 812 tokens/s | 3.40 s/step`
+    (what a log file keeps besides the progress bar)."""
+    parts = [f"step {step}/{total_steps}"]
+    parts += [fmt.format(row[key]) for key, fmt in PROGRESS_FIELDS if key in row]
+    return " | ".join(parts)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,10 +27,11 @@ from transformers import get_cosine_schedule_with_warmup
 
 from ..modeling.attention_masks import default_use_flex, training_attention_path
 from ..modeling.compiled_flex import check_flex_usable
-from ..objective import replacement_probability, sample_anchors
+from ..objective import sample_anchors
 from . import warm_start
 from .checkpointing import CheckpointManager, TrainState
 from .config import TrainConfig
+from .curriculum import replacement_mask, replacement_share
 from .data import Batch, BatchStream, TokenBatches
 from .distributed import build_accelerator, without_zero3_init
 from .draft_builder import build_draft, load_or_build_token_table
@@ -45,6 +47,7 @@ from .evaluation import (
 from .export import export_draft
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity
+from .optimizer import build_optimizer
 from .plots import plot_training
 from .target import (
     TargetFeatureExtractor,
@@ -54,7 +57,7 @@ from .target import (
     read_embedding_and_head,
     target_head_weights,
 )
-from .tracking import MetricsLog, read_metrics
+from .tracking import MetricsLog, progress_line, read_metrics
 
 
 @dataclass
@@ -187,15 +190,7 @@ class Trainer:
                 f"{self.stream.batches_per_epoch} batches per epoch, fewer than one optimizer "
                 f"step consumes ({self.world} processes x {o.grad_accum_steps} accumulation steps)"
             )
-        decay, no_decay = [], []
-        for name, param in self.step_module.named_parameters():
-            if param.requires_grad:
-                (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-        )
+        optimizer = build_optimizer(self.step_module, o)
         scheduler = get_cosine_schedule_with_warmup(
             optimizer, math.ceil(o.warmup_ratio * self.total_steps), self.total_steps
         )
@@ -269,11 +264,12 @@ class Trainer:
         stream = self.stream.iterate(state.position)
         sums: dict[str, torch.Tensor] = {}
         micro_count, tokens, last_log = 0, 0, time.perf_counter()
+        last_log_step = state.step
         self.engine.train()
         last_stats: AcceptanceStats | None = None
         seen: list[int] = []  # global batch indices this process trained on (this session)
         while state.step < self.total_steps:
-            p_replace = replacement_probability(state.step, self.total_steps)
+            p_replace = replacement_share(self.draft_config, state.step, self.total_steps)
             for _ in range(cfg.optim.grad_accum_steps):
                 index, rows = next(stream)
                 seen.append(index)
@@ -281,7 +277,9 @@ class Trainer:
                 feats = self._features(batch, self.train_cache)
                 gen = batch_generator(cfg.seed, index)
                 anchors, anchor_mask = self._anchors(batch, gen, cfg.data.num_anchors)
-                replace = (torch.rand(anchors.shape, generator=gen) < p_replace).to(acc.device)
+                replace, _ = replacement_mask(self.draft_config, state.step, self.total_steps,
+                                              anchors.shape, gen)
+                replace = replace.to(acc.device)
                 with acc.accumulate(self.engine):
                     loss, metrics = self.engine(
                         batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
@@ -303,13 +301,19 @@ class Trainer:
             bar.update(1)
 
             if state.step % cfg.logging.log_every == 0 or state.step == self.total_steps:
-                row = self._reduce_metrics(sums, micro_count, tokens, last_log)
+                row = self._reduce_metrics(sums, micro_count, tokens, last_log,
+                                           state.step - last_log_step)
                 row["lr"] = lr
                 row["replacement_p"] = p_replace
                 row["epoch"] = self.stream.epoch_of(state.position)
                 log.log(state.step, row)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                s_step=f"{row['s_per_step']:.2f}")
+                if self.is_main:  # one readable line per logged step (logs/train.log)
+                    tqdm.write(progress_line(state.step, self.total_steps, row), file=sys.stdout)
+                    sys.stdout.flush()
                 sums, micro_count, tokens, last_log = {}, 0, 0, time.perf_counter()
+                last_log_step = state.step
 
             final = state.step == self.total_steps
             new_best = False
@@ -357,15 +361,18 @@ class Trainer:
         path.write_text(json.dumps(report))
 
     def _reduce_metrics(
-        self, sums: dict[str, torch.Tensor], count: int, tokens: int, since: float
+        self, sums: dict[str, torch.Tensor], count: int, tokens: int, since: float, steps: int
     ) -> dict[str, float]:
-        """Mean of each metric over micro-batches and processes, plus global tokens/s."""
+        """Mean of each metric over micro-batches and processes, plus global tokens/s and the
+        wall seconds per optimizer step over the `steps` steps since the last log."""
         keys = sorted(sums)
         packed = torch.stack([sums[k] for k in keys] + [torch.tensor(float(tokens))
                                                            .to(self.accelerator.device)])
         packed = self.accelerator.reduce(packed.to(self.accelerator.device), "sum").cpu()
         row = {k: float(v) / (count * self.world) for k, v in zip(keys, packed[:-1])}
-        row["tokens_per_s"] = float(packed[-1]) / max(time.perf_counter() - since, 1e-9)
+        elapsed = time.perf_counter() - since
+        row["tokens_per_s"] = float(packed[-1]) / max(elapsed, 1e-9)
+        row["s_per_step"] = elapsed / max(steps, 1)
         return row
 
     @torch.no_grad()
