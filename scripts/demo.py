@@ -304,10 +304,13 @@ def stage_tokenize(demo: Demo) -> dict[str, Any]:
 
 
 def stage_token_table(demo: Demo) -> dict[str, Any]:
-    """The token codes of the target's lm_head at the recipe's transfer_dim."""
+    """The token codes of the target's lm_head at the draft's transfer_dim (the recipe's, or
+    DSpineConfig's default capped at the target's width when the recipe leaves it unset, as a
+    preset such as `specforge_published` does)."""
     from dspine_train.token_table import TokenTableConfig, build_from_config
+    from dspine_train.training.planning import plan_draft_config
 
-    transfer_dim = train_config(demo).model.transfer_dim
+    transfer_dim = plan_draft_config(train_config(demo)).transfer_dim
     table = build_from_config(TokenTableConfig(target=str(demo.target),
                                                out=str(demo.path("token_table.safetensors")),
                                                transfer_dim=transfer_dim), progress=True)
