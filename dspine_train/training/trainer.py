@@ -317,6 +317,7 @@ class Trainer:
 
             final = state.step == self.total_steps
             new_best = False
+            paused = time.perf_counter()  # evaluation and checkpoints do not count as steps
             if self.eval_batches is not None and (
                 final or (cfg.eval.every and state.step % cfg.eval.every == 0)
             ):
@@ -328,6 +329,7 @@ class Trainer:
             periodic = cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0
             if final or periodic or (new_best and cfg.checkpoint.every):
                 self.checkpoints.save(state)
+            last_log += time.perf_counter() - paused
         bar.close()
 
         self._export(self.output_dir / "final", last_stats)
@@ -364,7 +366,8 @@ class Trainer:
         self, sums: dict[str, torch.Tensor], count: int, tokens: int, since: float, steps: int
     ) -> dict[str, float]:
         """Mean of each metric over micro-batches and processes, plus global tokens/s and the
-        wall seconds per optimizer step over the `steps` steps since the last log."""
+        wall seconds per optimizer step over the `steps` steps since the last log (training
+        time: the evaluations and checkpoints in between are left out)."""
         keys = sorted(sums)
         packed = torch.stack([sums[k] for k in keys] + [torch.tensor(float(tokens))
                                                            .to(self.accelerator.device)])
