@@ -1,0 +1,137 @@
+"""Tree verification: one target forward over a token tree, greedy acceptance, compaction.
+
+A round with `tree_paths` M > 1 (greedy decoding):
+
+    propose_tree(draft, anchors)            -> tree of <= N nodes under each anchor (token_tree)
+    target(tree) in one forward              -> logits and context features at every node; a node
+                                                sits at position length + depth and sees the
+                                                committed context and its own ancestors only
+    greedy_tree_accept                       -> from the root, follow the child whose token is the
+                                                target's argmax at the current node; that path
+                                                plus the bonus token (argmax at its last node)
+    compact_path                             -> the accepted nodes' K/V moved to slots
+                                                length + 0..a, their features gathered in order
+
+The result is an ordinary `Acceptance` `(B, depth + 1)` plus path-ordered features, so the engine
+records and commits it exactly as a chain round. Path 0 of every tree is the greedy chain, so a
+tree round never accepts fewer tokens than the chain round would. Sampling (temperature > 0)
+is not verified over trees: the engine runs the chain then (`Engine` says so in a warning and in
+`GenerationStats.tree_paths`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dspine_train.engine.acceptance import Acceptance
+from dspine_train.engine.kv_cache import StaticKVCache
+from dspine_train.engine.token_tree import TokenTree, build_tree, propose_tree
+
+
+def chain_tree(anchors: torch.Tensor, drafts: torch.Tensor) -> TokenTree:
+    """The chain `[anchor, d_1..d_g]` as a one-path tree (what M = 1 verifies)."""
+    return build_tree(anchors, drafts[:, None, :], drafts.shape[1])
+
+
+def greedy_tree_accept(
+    tree: TokenTree, logits: torch.Tensor, depth: int
+) -> tuple[Acceptance, torch.Tensor]:
+    """Greedy acceptance over `tree` (nodes at most `depth` deep) given target
+    `logits (B, N + 1, V)` at its nodes.
+
+    Returns the `Acceptance` (tokens `(B, depth + 1)`: the accepted path's tokens then the
+    bonus) and `path (B, depth + 1)`: block indices of the root and the accepted nodes in
+    order (entries past `num_accepted` repeat the last accepted node).
+    """
+    argmax = logits.argmax(-1)  # (B, N + 1)
+    batch = argmax.shape[0]
+    node = torch.zeros(batch, dtype=torch.long, device=argmax.device)
+    alive = torch.ones(batch, dtype=torch.bool, device=argmax.device)
+    path, tokens, accepted = [node], [], []
+    for _ in range(depth):
+        want = argmax.gather(1, node[:, None])  # (B, 1): the target's token after `node`
+        match = (tree.parents == node[:, None]) & (tree.tokens == want) & tree.valid
+        match[:, 0] = False  # the root is its own parent, never its own child
+        found = match.any(-1) & alive
+        child = match.int().argmax(-1)  # siblings hold distinct tokens: at most one match
+        node = torch.where(found, child, node)
+        alive = found
+        path.append(node)
+        tokens.append(tree.tokens.gather(1, node[:, None]).squeeze(1))
+        accepted.append(found)
+    prefix = torch.stack(accepted, dim=1) if accepted else argmax[:, :0].bool()  # (B, D)
+    num_accepted = prefix.long().sum(-1)
+    bonus = argmax.gather(1, node[:, None]).squeeze(1)
+    drafted = torch.stack(tokens, dim=1) if tokens else argmax[:, :0]
+    out = torch.cat([drafted, bonus[:, None]], dim=1)
+    out = out.scatter(1, num_accepted[:, None], bonus[:, None])
+    return Acceptance(num_accepted, out, prefix), torch.stack(path, dim=1)
+
+
+def compact_path(cache: StaticKVCache, path: torch.Tensor, batch: int) -> None:
+    """Move the K/V of the accepted path's nodes (`path (B, D + 1)` block indices) to slots
+    `lengths + 0..D` of every layer. Slots past the accepted ones receive copies of the last
+    accepted node, past the committed length where nothing reads them."""
+    lengths = cache.lengths[:batch, None]
+    src = lengths + path  # (B, D + 1)
+    dst = lengths + torch.arange(path.shape[1], device=path.device)[None, :]
+    layers, heads, _, head_dim = cache.keys.shape[1:]
+    # (B, D + 1) -> (B, layers, heads, D + 1, head_dim): one slot index for every entry.
+    shape = (batch, layers, heads, path.shape[1], head_dim)
+    src_index = src[:, None, None, :, None].expand(shape)
+    dst_index = dst[:, None, None, :, None].expand(shape)
+    for buffer in (cache.keys, cache.values):
+        moved = buffer[:batch].gather(3, src_index)  # read every source before any write
+        buffer[:batch].scatter_(3, dst_index, moved)
+
+
+class TreeVerifier:
+    """The draft, verify and accept parts of a tree round (see the module docstring).
+
+    `draft_step(anchors, kv_len, paths, nodes, depth)` and `verify_step(tokens, depths,
+    ancestors, kv_len)` are tensor functions of static shapes (the budget is a static argument),
+    for the engine to compile and capture like its chain steps; `accept` is the eager greedy
+    walk plus compaction. `draft_cache()` returns the engine's current draft context cache.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module,
+        draft_cache: Callable[[], Any],
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.draft_cache = draft_cache
+
+    def draft_step(
+        self, anchors: torch.Tensor, kv_len: int, paths: int, nodes: int, depth: int
+    ) -> tuple[torch.Tensor, ...]:
+        """The tree of each anchor as `TokenTree`'s fields, in order."""
+        tree = propose_tree(self.draft, self.draft_cache(), anchors, paths, nodes, depth, kv_len)
+        return tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestors
+
+    def verify_step(
+        self,
+        tokens: torch.Tensor,
+        depths: torch.Tensor,
+        ancestors: torch.Tensor,
+        kv_len: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One target forward over the tree: context features and float32 logits per node."""
+        out = self.target(tokens, kv_len=kv_len, tree_depths=depths, tree_ancestors=ancestors)
+        return out.features, self.target.logits(out.hidden)
+
+    def accept(
+        self, tree: TokenTree, logits: torch.Tensor, features: torch.Tensor | None, depth: int
+    ) -> tuple[Acceptance, torch.Tensor | None]:
+        """Greedy acceptance, K/V compaction, and the accepted path's features in order."""
+        acc, path = greedy_tree_accept(tree, logits, depth)
+        compact_path(self.target.cache, path, path.shape[0])
+        if features is not None:
+            index = path[:, :, None].expand(-1, -1, features.shape[-1])
+            features = features.gather(1, index)  # (B, D + 1, F): root, then accepted nodes
+        return acc, features
