@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dspine_train.modeling.transition_cache import top_candidates, transition_table
-
 
 @dataclass
 class TokenTree:
@@ -53,6 +51,10 @@ def lattice(
     With `transition_cache` it is the transition table the chain walks; without it (per-slot
     decoding, DFlash) every row of slot t is the slot's own logits of its top-K.
     """
+    # Imported here: the modeling package pulls in transformers' model machinery, which plain
+    # decoding does not need (the engine package imports this module).
+    from dspine_train.modeling.transition_cache import top_candidates, transition_table
+
     config = draft.config
     k = min(int(config.candidate_k), slot_logits.shape[-1])
     cand = top_candidates(slot_logits, k)  # (B, T, K)
