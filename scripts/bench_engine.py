@@ -127,8 +127,8 @@ def tree_comparison(
     for m, n in budgets:
         total = sum_stats(parts[(m, n)])
         rows.append({
-            "mode": "tree" if m > 1 else "chain", "batch": batch, "g": g, "paths": m,
-            "nodes": total.tree_nodes if m > 1 else g, **total.to_dict(),
+            **total.to_dict(), "mode": "tree" if m > 1 else "chain", "batch": batch, "g": g,
+            "paths": m, "nodes": total.tree_nodes if m > 1 else g,
             "identical": outputs[(m, n)] == ar_ids,
         })
     chain = next((r for r in rows if r["paths"] == 1), rows[0])
