@@ -19,7 +19,7 @@ from dspine_train.engine.engine import _Sampler
 from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.stats import StepTimer
 from dspine_train.engine.token_tree import build_tree, greedy_indices, top_paths
-from dspine_train.engine.tree_verify import greedy_tree_accept
+from dspine_train.engine.tree_verify import greedy_tree_accept, sampled_tree_accept
 from dspine_train.modeling.transition_cache import walk_table
 
 NEW = 20
@@ -196,7 +196,7 @@ def test_tree_of_one_path_is_the_chain(world, monkeypatch):
     chain_engine = _engine(world)
     tree_engine = _engine(world)
     # Force the tree round with M = 1, N = g: the tree machinery walking the chain alone.
-    monkeypatch.setattr(tree_engine, "_tree_budget", lambda num_draft, temperature: num_draft)
+    monkeypatch.setattr(tree_engine, "_tree_budget", lambda num_draft: num_draft)
     batch = world["prompts"][:4]
     chain = chain_engine.generate(batch, max_new_tokens=NEW, chat=False)
     tree = tree_engine.generate(batch, max_new_tokens=NEW, chat=False)
@@ -218,22 +218,55 @@ def test_tree_never_accepts_fewer_tokens_than_the_chain(world):
             anchor = torch.tensor(engine.generate([prefix], max_new_tokens=1, chat=False).token_ids[0])
             with torch.inference_mode():
                 chain_acc, _ = engine._round(anchor, cut, g, sampler, timer)
-                tree_acc, _ = engine._tree_round(anchor, cut, g, 12, timer)
+                tree_acc, _ = engine._tree_round(anchor, cut, g, 12, sampler, timer)
             chain_counts.append(int(chain_acc.num_accepted))
             tree_counts.append(int(tree_acc.num_accepted))
     assert all(t >= c for t, c in zip(tree_counts, chain_counts, strict=True))
     assert any(t > c for t, c in zip(tree_counts, chain_counts, strict=True))
 
 
-def test_sampling_falls_back_to_the_chain(world):
-    chain = _engine(world)
-    tree = _engine(world, tree_paths=4)
-    batch = world["prompts"][:4]
-    want = chain.generate(batch, max_new_tokens=NEW, chat=False, temperature=0.8, seed=3)
-    with pytest.warns(UserWarning, match="greedy only"):
-        got = tree.generate(batch, max_new_tokens=NEW, chat=False, temperature=0.8, seed=3)
-    assert got.token_ids == want.token_ids
-    assert got.stats.tree_paths == 1 and got.stats.tree_nodes == 0
+def test_tree_sampling_matches_the_target_distribution(tmp_path):
+    """First three tokens sampled with tree verification vs the target's exact marginals (the
+    chain's test in test_engine_lossless, with trees)."""
+    from test_engine_lossless import _chi_square_pvalue, _exact_marginals
+
+    vocab, prompt, rows = 32, [3, 17, 8, 25], 500
+    hf = build_tiny_target(
+        tmp_path / "target", "qwen3", head_scale=6.0, vocab_size=vocab, num_hidden_layers=4,
+        eos_token_id=None,
+    )
+    tiny_draft(hf, 30, transfer_dim=8, message_size=8).save_pretrained(tmp_path / "draft")
+    exact = _exact_marginals(hf, prompt, vocab, steps=3)
+    engine = Engine.from_pretrained(
+        tmp_path / "target", tmp_path / "draft", max_batch_size=rows, max_seq_len=40,
+        eos_token_ids=[], tree_paths=4, tree_nodes=12,
+    )
+    samples, taus = [], []
+    for seed in range(4):
+        result = engine.generate([prompt] * rows, max_new_tokens=3, temperature=1.0, seed=seed)
+        samples.append(torch.tensor(result.token_ids))
+        taus.append(result.stats.tau)
+        assert result.stats.tree_paths == 4 and result.stats.tree_nodes == 12
+    tokens = torch.cat(samples)  # (4 * rows, 3)
+    for position in range(3):
+        pvalue = _chi_square_pvalue(tokens[:, position], exact[position])
+        assert pvalue > 1e-3, (position, pvalue)
+    # Some tree nodes were accepted and some not: both branches shaped the samples.
+    assert all(1.0 < tau < 3.0 for tau in taus)
+
+
+def test_sampled_tree_accept_draws_the_target_token_at_each_node():
+    # root -> 5 -> 6; root -> 7. The target puts all its mass on 7, then on 2 after 7.
+    tree = build_tree(torch.tensor([9]), torch.tensor([[[5, 6], [7, 7]]]), 4)
+    probs = torch.zeros(1, 5, 10)
+    probs[0, :, 1] = 1.0
+    probs[0, 0, 7] = probs[0, 0, 1] = 0.5  # at the root: 7 or 1, half each
+    probs[0, 3, 2], probs[0, 3, 1] = 1.0, 0.0  # after 7: always 2
+    seen = set()
+    for seed in range(16):
+        acc, _ = sampled_tree_accept(tree, probs, 2, torch.Generator().manual_seed(seed))
+        seen.add(tuple(acc.tokens[0, : int(acc.num_accepted) + 1].tolist()))
+    assert seen == {(7, 2), (1,)}
 
 
 def test_tree_settings_are_checked(world):

@@ -73,9 +73,10 @@ class Engine:
     `strict_graphs=True` and otherwise warns and runs that step eager. `compile_backend` is
     `torch.compile`'s backend ("eager" traces the steps without generating kernels).
 
-    `tree_paths` M > 1 verifies a token tree per round instead of the chain (greedy decoding
-    only; see `engine.tree_verify`): the top-M paths through the draft's K x K lattice, merged
-    into at most `tree_nodes` N nodes (default M x g). `configure_tree` changes them later.
+    `tree_paths` M > 1 verifies a token tree per round instead of the chain (see
+    `engine.tree_verify`; lossless when greedy and when sampling): the top-M paths through the
+    draft's K x K lattice, merged into at most `tree_nodes` N nodes (default M x g).
+    `configure_tree` changes them later.
     """
 
     def __init__(
@@ -244,9 +245,9 @@ class Engine:
             raise GenerationInputError("tree_paths > 1 needs a draft")
         self.tree_paths, self.tree_nodes = int(paths), nodes
 
-    def _tree_budget(self, num_draft: int, temperature: float) -> int | None:
+    def _tree_budget(self, num_draft: int) -> int | None:
         """Nodes verified per round by a tree round, or None where the round is a chain."""
-        if self.tree_paths == 1 or num_draft == 0 or temperature > 0.0:
+        if self.tree_paths == 1 or num_draft == 0:
             return None
         nodes = self.tree_paths * num_draft if self.tree_nodes is None else self.tree_nodes
         if nodes < num_draft:
@@ -330,14 +331,9 @@ class Engine:
         stats.num_sequences, stats.prompt_tokens = len(ids), sum(len(p) for p in ids)
         stats.accepted_at = [0] * num_draft
         stats.round_accepted = [[] for _ in ids]
-        tree_nodes = self._tree_budget(num_draft, temperature)
+        tree_nodes = self._tree_budget(num_draft)
         if tree_nodes is not None:
             stats.tree_paths, stats.tree_nodes = self.tree_paths, tree_nodes
-        elif speculative and self.tree_paths > 1:
-            warnings.warn(
-                "tree verification is greedy only: sampling (temperature > 0) verifies the "
-                "chain (tree_paths=1)", stacklevel=3,
-            )
         sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
         timer = StepTimer(self.device)
         states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
@@ -362,7 +358,9 @@ class Engine:
                 if tree_nodes is None:
                     acc, features = self._round(anchors, longest, num_draft, sampler, timer)
                 else:
-                    acc, features = self._tree_round(anchors, longest, num_draft, tree_nodes, timer)
+                    acc, features = self._tree_round(
+                        anchors, longest, num_draft, tree_nodes, sampler, timer
+                    )
                 for b in self._record(acc, states, committed, stats):
                     running[b] = False
                 stats.steps += 1
@@ -414,7 +412,7 @@ class Engine:
         if stop and self.tokenizer is None:
             raise GenerationInputError("stop strings need a tokenizer")
         # Room for the prompt, every new token, and the widest verify written past them.
-        width = self._tree_budget(num_draft, temperature) or num_draft
+        width = self._tree_budget(num_draft) or num_draft
         needed = max(len(p) for p in ids) + max_new_tokens + width + 1
         if needed > self.max_seq_len:
             raise GenerationInputError(
@@ -556,10 +554,16 @@ class Engine:
         return rejection_accept(draft_tokens, draft_q, probs, sampler.generator), features
 
     def _tree_round(
-        self, anchors: torch.Tensor, longest: int, depth: int, nodes: int, timer: StepTimer
+        self,
+        anchors: torch.Tensor,
+        longest: int,
+        depth: int,
+        nodes: int,
+        sampler: _Sampler,
+        timer: StepTimer,
     ) -> tuple[Acceptance, torch.Tensor | None]:
-        """Greedy round over a token tree (`tree_verify`); it records and commits as a chain
-        round of g = `depth` (the accepted nodes' K/V and features are moved into order)."""
+        """A round over a token tree (`tree_verify`); it records and commits as a chain round
+        of g = `depth` (the accepted nodes' K/V and features are moved into order)."""
         budget = dict(paths=self.tree_paths, nodes=nodes, depth=depth)
         draft_kv = self._bucket(longest + self.block_size, self._draft_capacity())
         self._tree_draft_step.prepare(anchors, kv_len=draft_kv, **budget)
@@ -570,7 +574,9 @@ class Engine:
         self._tree_verify_step.prepare(*inputs, kv_len=kv_len)
         with timer.section("verify"):
             features, logits = self._tree_verify_step(*inputs, kv_len=kv_len)
-        return self._tree.accept(tree, logits, features, depth)
+        return self._tree.accept(
+            tree, logits, features, depth, sampler.temperature, sampler.top_p, sampler.generator
+        )
 
     def _propose(
         self, anchors: torch.Tensor, sampler: _Sampler, num_draft: int, kv_len: int

@@ -9,14 +9,16 @@ A round with `tree_paths` M > 1 (greedy decoding):
     greedy_tree_accept                       -> from the root, follow the child whose token is the
                                                 target's argmax at the current node; that path
                                                 plus the bonus token (argmax at its last node)
+                                                (sampled_tree_accept when sampling)
     compact_path                             -> the accepted nodes' K/V moved to slots
                                                 length + 0..a, their features gathered in order
 
 The result is an ordinary `Acceptance` `(B, depth + 1)` plus path-ordered features, so the engine
 records and commits it exactly as a chain round. Path 0 of every tree is the greedy chain, so a
-tree round never accepts fewer tokens than the chain round would. Sampling (temperature > 0)
-is not verified over trees: the engine runs the chain then (`Engine` says so in a warning and in
-`GenerationStats.tree_paths`).
+greedy tree round never accepts fewer tokens than the chain round would. When sampling
+(temperature > 0), `sampled_tree_accept` draws the target's token at each node and descends
+while a child holds it: multi-candidate rejection with the tree's deterministic (point-mass)
+candidates, lossless like the chain's rejection sampling.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from dspine_train.engine.acceptance import Acceptance
 from dspine_train.engine.kv_cache import StaticKVCache
+from dspine_train.engine.sampling import sample, target_probs
 from dspine_train.engine.token_tree import TokenTree, build_tree, propose_tree
 
 
@@ -47,25 +50,63 @@ def greedy_tree_accept(
     order (entries past `num_accepted` repeat the last accepted node).
     """
     argmax = logits.argmax(-1)  # (B, N + 1)
-    batch = argmax.shape[0]
-    node = torch.zeros(batch, dtype=torch.long, device=argmax.device)
-    alive = torch.ones(batch, dtype=torch.bool, device=argmax.device)
+    return _walk(tree, depth, lambda node: argmax.gather(1, node[:, None]).squeeze(1))
+
+
+def sampled_tree_accept(
+    tree: TokenTree,
+    probs: torch.Tensor,
+    depth: int,
+    generator: torch.Generator | None = None,
+) -> tuple[Acceptance, torch.Tensor]:
+    """Lossless acceptance over `tree` when sampling; `probs (B, N + 1, V)` the target's
+    distributions at its nodes (after temperature / top-p). Returns as `greedy_tree_accept`.
+
+    The tree's candidates are deterministic (the top lattice paths), i.e. point-mass proposals.
+    Multi-candidate rejection (SpecInfer) with point masses tries the children in turn: child c
+    is accepted with probability residual(c), and a rejection removes c from the residual; child
+    c is thus taken with probability p(c) and the walk stops with a draw from p restricted to
+    the other tokens. That is the same law as drawing x ~ p at the node and descending when a
+    child holds x, which is what this does: every emitted token is a draw from the target's
+    distribution given the committed tokens and the accepted path, so the output has the law
+    of plain sampling.
+    """
+    vocab = probs.shape[-1]
+
+    def draw(node: torch.Tensor) -> torch.Tensor:
+        rows = probs.gather(1, node[:, None, None].expand(-1, 1, vocab)).squeeze(1)  # (B, V)
+        return sample(rows, generator)
+
+    return _walk(tree, depth, draw)
+
+
+def _walk(
+    tree: TokenTree, depth: int, choose: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[Acceptance, torch.Tensor]:
+    """From the root, descend to the child holding `choose(node)` (the target's token after
+    `node`) while one does; the first token without a child, or the token after the deepest
+    node, is the bonus. Static shapes: `depth` steps for every row, no host reads."""
+    batch, device = tree.tokens.shape[0], tree.tokens.device
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    bonus = torch.zeros(batch, dtype=torch.long, device=device)
     path, tokens, accepted = [node], [], []
     for _ in range(depth):
-        want = argmax.gather(1, node[:, None])  # (B, 1): the target's token after `node`
-        match = (tree.parents == node[:, None]) & (tree.tokens == want) & tree.valid
+        want = choose(node)  # (B,)
+        match = (tree.parents == node[:, None]) & (tree.tokens == want[:, None]) & tree.valid
         match[:, 0] = False  # the root is its own parent, never its own child
         found = match.any(-1) & alive
+        bonus = torch.where(alive & ~found, want, bonus)
         child = match.int().argmax(-1)  # siblings hold distinct tokens: at most one match
         node = torch.where(found, child, node)
         alive = found
         path.append(node)
         tokens.append(tree.tokens.gather(1, node[:, None]).squeeze(1))
         accepted.append(found)
-    prefix = torch.stack(accepted, dim=1) if accepted else argmax[:, :0].bool()  # (B, D)
+    bonus = torch.where(alive, choose(node), bonus)  # every level accepted: one more token
+    prefix = torch.stack(accepted, dim=1) if accepted else alive[:, None][:, :0]  # (B, D)
     num_accepted = prefix.long().sum(-1)
-    bonus = argmax.gather(1, node[:, None]).squeeze(1)
-    drafted = torch.stack(tokens, dim=1) if tokens else argmax[:, :0]
+    drafted = torch.stack(tokens, dim=1) if tokens else bonus[:, None][:, :0]
     out = torch.cat([drafted, bonus[:, None]], dim=1)
     out = out.scatter(1, num_accepted[:, None], bonus[:, None])
     return Acceptance(num_accepted, out, prefix), torch.stack(path, dim=1)
@@ -126,10 +167,22 @@ class TreeVerifier:
         return out.features, self.target.logits(out.hidden)
 
     def accept(
-        self, tree: TokenTree, logits: torch.Tensor, features: torch.Tensor | None, depth: int
+        self,
+        tree: TokenTree,
+        logits: torch.Tensor,
+        features: torch.Tensor | None,
+        depth: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
     ) -> tuple[Acceptance, torch.Tensor | None]:
-        """Greedy acceptance, K/V compaction, and the accepted path's features in order."""
-        acc, path = greedy_tree_accept(tree, logits, depth)
+        """Acceptance (greedy, or lossless sampling at `temperature` > 0), K/V compaction, and
+        the accepted path's features in order."""
+        if temperature <= 0.0:
+            acc, path = greedy_tree_accept(tree, logits, depth)
+        else:
+            probs = target_probs(logits, temperature, top_p)
+            acc, path = sampled_tree_accept(tree, probs, depth, generator)
         compact_path(self.target.cache, path, path.shape[0])
         if features is not None:
             index = path[:, :, None].expand(-1, -1, features.shape[-1])
