@@ -109,19 +109,22 @@ def tree_comparison(
 
     budgets = list(zip(paths, nodes))
     parts: dict[tuple[int, int | None], list] = {b: [] for b in budgets}
-    outputs: dict[tuple[int, int | None], list] = {}
     for m, n in budgets:  # warm-up of every budget's shapes
         engine.configure_tree(m, n)
-        engine.generate(prompts[:batch], max_new_tokens=8, chat=common["chat"], num_draft_tokens=g)
+        engine.generate(prompts[:batch], max_new_tokens=4, chat=common["chat"], num_draft_tokens=g)
+    outputs = {b: [] for b in budgets}
+    # Interleaved per batch of prompts: drift on a shared machine hits every budget alike.
     for r in range(rounds):
-        for m, n in budgets:
-            engine.configure_tree(m, n)
-            results, stats = run_batches(
-                engine, prompts, batch, True, f"tree M={m} N={n} b={batch} g={g} pass {r}",
-                num_draft_tokens=g, **common,
-            )
-            parts[(m, n)].append(stats)
-            outputs[(m, n)] = [t for res in results for t in res.token_ids]
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            for m, n in budgets:
+                engine.configure_tree(m, n)
+                result = engine.generate(chunk, num_draft_tokens=g, **common)
+                parts[(m, n)].append(result.stats)
+                if r == 0:
+                    outputs[(m, n)] += result.token_ids
+            print(f"tree budgets: pass {r}, prompts {start}..{start + len(chunk) - 1} done",
+                  flush=True)
     engine.configure_tree(1, None)
     rows = []
     for m, n in budgets:
@@ -187,6 +190,11 @@ def main() -> None:
     )
     parser.add_argument("--tree-rounds", type=int, default=2, help="interleaved passes")
     parser.add_argument(
+        "--tree-only", action="store_true",
+        help="with --tree-paths: plain decoding and the tree comparison only (its budget 1 is "
+        "the chain), no separate speculative runs",
+    )
+    parser.add_argument(
         "--skip-step-costs", action="store_true", help="do not time the draft step's parts"
     )
     parser.add_argument("--output", default="bench_results/engine.json")
@@ -202,6 +210,8 @@ def main() -> None:
         tree_nodes = given * len(args.tree_paths) if len(given) == 1 else given
         # The chain ignores the node budget.
         tree_nodes = [None if m == 1 else n for m, n in zip(args.tree_paths, tree_nodes)]
+    if args.tree_only and args.tree_paths is None:
+        parser.error("--tree-only needs --tree-paths")
     prompts = read_prompts(args.prompts)
     args.batch_size = max(args.batch_sizes)
     engine = build_engine(args)
@@ -225,6 +235,12 @@ def main() -> None:
             }
         )
         for g in g_values:
+            if args.tree_only:
+                tree_rows += tree_comparison(
+                    engine, prompts, batch, g, args.tree_paths, tree_nodes,
+                    args.tree_rounds, ar_ids, common,
+                )
+                continue
             engine.generate(prompts[:batch], max_new_tokens=8, chat=chat, num_draft_tokens=g)
             results, spec = run_batches(
                 engine, prompts, batch, True, f"spec b={batch} g={g}", num_draft_tokens=g, **common
