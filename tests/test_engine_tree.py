@@ -269,6 +269,25 @@ def test_sampled_tree_accept_draws_the_target_token_at_each_node():
     assert seen == {(7, 2), (1,)}
 
 
+def test_warmup_runs_the_tree_steps(world):
+    engine = _engine(world, tree_paths=3)
+    calls = []
+    for step in (engine._tree_draft_step, engine._tree_verify_step):
+        def counted(*args, _fn=step.fn, _name=step.name, **kwargs):
+            calls.append(_name)
+            return _fn(*args, **kwargs)
+
+        step.fn = counted
+    engine.warmup(batch_sizes=[1, 2], num_draft_tokens=[0, 3])
+    # Once per batch size on CPU (nothing to capture), at the one tree budget for g = 3.
+    assert calls == ["tree draft", "tree verify"] * 2
+    batch = world["prompts"][:2]
+    ar = engine.generate_ar(batch, max_new_tokens=8, chat=False)
+    assert engine.generate(batch, max_new_tokens=8, chat=False, num_draft_tokens=3).token_ids == (
+        ar.token_ids
+    )
+
+
 def test_tree_settings_are_checked(world):
     with pytest.raises(GenerationInputError, match="tree_paths"):
         _engine(world, tree_paths=0)

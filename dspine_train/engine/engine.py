@@ -275,6 +275,8 @@ class Engine:
         of `kv_buckets()` (default: all of them). On CPU, where nothing is captured, it checks
         the arguments and runs each step once eagerly at the smallest bucket. Returns the number
         of captured graphs and the seconds it took. Greedy steps only: sampling drafts eagerly.
+        With `tree_paths` > 1 the tree draft and verify steps of the current budget are captured
+        too (they serve greedy and sampling rounds alike).
         """
         sizes, gs, buckets = self._check_warmup(batch_sizes, num_draft_tokens, kv_buckets)
         if not self._target_step.enabled:
@@ -305,9 +307,27 @@ class Engine:
                         self._draft_step.prepare(anchors, kv_len=kv)
                         if not self._draft_step.enabled:
                             self._draft_step(anchors, kv_len=kv)
+                if self.draft is not None and self.tree_paths > 1:
+                    for g in (g for g in gs if g > 0):
+                        self._warmup_tree(batch, g, buckets)
             self.target.cache.reset(self.max_batch_size)
         captured = sum(s.num_captured for s in self._steps())
         return {"graphs": captured, "capture_s": self._capture_seconds() - before}
+
+    def _warmup_tree(self, batch: int, depth: int, buckets: list[int]) -> None:
+        """Capture (CUDA) or run once (CPU) the tree steps of the current budget at depth g."""
+        budget = dict(paths=self.tree_paths, nodes=self._tree_budget(depth), depth=depth)
+        anchors = torch.zeros(batch, dtype=torch.long, device=self.device)
+        draft_kvs = self._draft_buckets(buckets)
+        for kv in draft_kvs:
+            self._tree_draft_step.prepare(anchors, kv_len=kv, **budget)
+        tree = TokenTree(*self._tree_draft_step(anchors, kv_len=draft_kvs[0], **budget))
+        inputs = (tree.tokens, tree.depths, tree.ancestors)
+        fits = [b for b in buckets if b >= budget["nodes"] + 1] or [self.max_seq_len]
+        for kv in fits:
+            self._tree_verify_step.prepare(*inputs, kv_len=kv)
+        if not self._tree_verify_step.enabled:
+            self._tree_verify_step(*inputs, kv_len=fits[0])
 
     # ------------------------------------------------------------------ the loop
     def _run(
