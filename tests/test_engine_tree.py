@@ -143,8 +143,16 @@ def _engine(world, **kwargs) -> Engine:
     )
 
 
-def test_tree_attention_equals_each_path_run_alone(world):
-    target = load_target(world["root"] / "target")
+@pytest.mark.parametrize("family", ["qwen3", "gemma3-sliding"])
+def test_tree_attention_equals_each_path_run_alone(world, family, tmp_path):
+    path = world["root"] / "target"
+    if family != "qwen3":
+        from _full_vocab_helpers import build_full_vocab_target
+
+        # Sliding-window layers whose window (2) is shorter than the tree depth (3).
+        path = tmp_path / "gemma"
+        build_full_vocab_target(path, "gemma", sliding_window=2)
+    target = load_target(path)
     target.set_feature_layers([1, 3])
     target.setup(2, 64)
     prompts = [world["prompts"][0][:5] + [7, 8], [3, 4, 5, 6, 9, 10, 11, 12, 13]]
