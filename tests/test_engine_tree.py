@@ -200,6 +200,23 @@ def test_tree_greedy_output_equals_plain_decoding(world, paths, nodes):
         assert tree.stats.tree_nodes == (nodes or paths * (engine.block_size - 1))
 
 
+def test_tree_over_per_slot_candidates_without_transition_cache(world, tmp_path):
+    """A draft decoding per slot (`transition_cache: false`, as DFlash) gets a lattice of its
+    slots' top-K with slot scores; the tree is still lossless."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(world["root"] / "target")
+    tiny_draft(hf, 200, transition_cache=False).save_pretrained(tmp_path / "per_slot")
+    engine = Engine.from_pretrained(
+        world["root"] / "target", tmp_path / "per_slot", max_seq_len=112, eos_token_ids=[],
+        max_batch_size=4, tree_paths=4, tree_nodes=12,
+    )
+    batch = world["prompts"][4:8]
+    tree = engine.generate(batch, max_new_tokens=NEW, chat=False)
+    assert tree.token_ids == engine.generate_ar(batch, max_new_tokens=NEW, chat=False).token_ids
+    assert tree.stats.tree_paths == 4
+
+
 def test_tree_of_one_path_is_the_chain(world, monkeypatch):
     chain_engine = _engine(world)
     tree_engine = _engine(world)
