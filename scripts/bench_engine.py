@@ -100,6 +100,17 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
+def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
+    """`[prompt index, token index]` of the first token where `got` leaves `want`, or None."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return [i, j]
+        if len(a) != len(b):
+            return [i, min(len(a), len(b))]
+    return None
+
+
 def tree_comparison(
     engine, prompts, batch: int, g: int, paths: list[int], nodes: list[int | None],
     rounds: int, ar_ids: list[list[int]], common: dict,
@@ -133,6 +144,7 @@ def tree_comparison(
             **total.to_dict(), "mode": "tree" if m > 1 else "chain", "batch": batch, "g": g,
             "paths": m, "nodes": total.tree_nodes if m > 1 else g,
             "identical": outputs[(m, n)] == ar_ids,
+            "first_difference": first_difference(outputs[(m, n)], ar_ids),
         })
     chain = next((r for r in rows if r["paths"] == 1), rows[0])
     for row in rows:
