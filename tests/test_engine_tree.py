@@ -297,7 +297,7 @@ def test_sampled_tree_accept_draws_the_target_token_at_each_node():
 def test_warmup_runs_the_tree_steps(world):
     engine = _engine(world, tree_paths=3)
     calls = []
-    for step in (engine._tree_draft_step, engine._tree_verify_step):
+    for step in engine._tree.steps:
         def counted(*args, _fn=step.fn, _name=step.name, **kwargs):
             calls.append(_name)
             return _fn(*args, **kwargs)

@@ -38,7 +38,6 @@ from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
 from dspine_train.engine.sampling import next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
 from dspine_train.engine.target_model import TargetModel
-from dspine_train.engine.token_tree import TokenTree
 from dspine_train.engine.tree_verify import TreeVerifier
 from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
 from dspine_train.engine.weights import load_target
@@ -143,9 +142,7 @@ class Engine:
         self._target_step = StepCache(self._target_forward, "verify", **steps)
         self._draft_step = StepCache(self._draft_greedy, "draft", **steps)
         self._commit_step = StepCache(self._commit, "commit", state=self._commit_state, **steps)
-        self._tree = TreeVerifier(target, draft, lambda: self.draft_cache)
-        self._tree_draft_step = StepCache(self._tree.draft_step, "tree draft", **steps)
-        self._tree_verify_step = StepCache(self._tree.verify_step, "tree verify", **steps)
+        self._tree = TreeVerifier(target, draft, lambda: self.draft_cache, steps)
         self.configure_tree(tree_paths, tree_nodes)
         # Per-round bookkeeping lives on the device, updated in place: the rows running at the
         # start of the round (`_active`) and those still running after it (`_running`).
@@ -309,25 +306,13 @@ class Engine:
                             self._draft_step(anchors, kv_len=kv)
                 if self.draft is not None and self.tree_paths > 1:
                     for g in (g for g in gs if g > 0):
-                        self._warmup_tree(batch, g, buckets)
+                        nodes = self._tree_budget(g)
+                        fits = [b for b in buckets if b >= nodes + 1] or [self.max_seq_len]
+                        budget = dict(paths=self.tree_paths, nodes=nodes, depth=g)
+                        self._tree.warmup(batch, budget, self._draft_buckets(buckets), fits)
             self.target.cache.reset(self.max_batch_size)
         captured = sum(s.num_captured for s in self._steps())
         return {"graphs": captured, "capture_s": self._capture_seconds() - before}
-
-    def _warmup_tree(self, batch: int, depth: int, buckets: list[int]) -> None:
-        """Capture (CUDA) or run once (CPU) the tree steps of the current budget at depth g."""
-        budget = dict(paths=self.tree_paths, nodes=self._tree_budget(depth), depth=depth)
-        anchors = torch.zeros(batch, dtype=torch.long, device=self.device)
-        draft_kvs = self._draft_buckets(buckets)
-        for kv in draft_kvs:
-            self._tree_draft_step.prepare(anchors, kv_len=kv, **budget)
-        tree = TokenTree(*self._tree_draft_step(anchors, kv_len=draft_kvs[0], **budget))
-        inputs = (tree.tokens, tree.depths, tree.ancestors)
-        fits = [b for b in buckets if b >= budget["nodes"] + 1] or [self.max_seq_len]
-        for kv in fits:
-            self._tree_verify_step.prepare(*inputs, kv_len=kv)
-        if not self._tree_verify_step.enabled:
-            self._tree_verify_step(*inputs, kv_len=fits[0])
 
     # ------------------------------------------------------------------ the loop
     def _run(
@@ -584,18 +569,13 @@ class Engine:
     ) -> tuple[Acceptance, torch.Tensor | None]:
         """A round over a token tree (`tree_verify`); it records and commits as a chain round
         of g = `depth` (the accepted nodes' K/V and features are moved into order)."""
-        budget = dict(paths=self.tree_paths, nodes=nodes, depth=depth)
-        draft_kv = self._bucket(longest + self.block_size, self._draft_capacity())
-        self._tree_draft_step.prepare(anchors, kv_len=draft_kv, **budget)
-        with timer.section("draft"):
-            tree = TokenTree(*self._tree_draft_step(anchors, kv_len=draft_kv, **budget))
-        kv_len = self._bucket(longest + nodes + 1, self.max_seq_len)
-        inputs = (tree.tokens, tree.depths, tree.ancestors)
-        self._tree_verify_step.prepare(*inputs, kv_len=kv_len)
-        with timer.section("verify"):
-            features, logits = self._tree_verify_step(*inputs, kv_len=kv_len)
-        return self._tree.accept(
-            tree, logits, features, depth, sampler.temperature, sampler.top_p, sampler.generator
+        return self._tree.run_round(
+            anchors,
+            dict(paths=self.tree_paths, nodes=nodes, depth=depth),
+            self._bucket(longest + self.block_size, self._draft_capacity()),
+            self._bucket(longest + nodes + 1, self.max_seq_len),
+            (sampler.temperature, sampler.top_p, sampler.generator),
+            timer,
         )
 
     def _propose(
@@ -665,10 +645,7 @@ class Engine:
         return sorted(out)
 
     def _steps(self) -> tuple[StepCache, ...]:
-        return (
-            self._target_step, self._draft_step, self._commit_step,
-            self._tree_draft_step, self._tree_verify_step,
-        )
+        return (self._target_step, self._draft_step, self._commit_step, *self._tree.steps)
 
     def _capture_seconds(self) -> float:
         return sum(step.capture_s for step in self._steps())

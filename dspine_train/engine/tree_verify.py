@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 from dspine_train.engine.acceptance import Acceptance
+from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.kv_cache import StaticKVCache
 from dspine_train.engine.sampling import sample, target_probs
+from dspine_train.engine.stats import StepTimer
 from dspine_train.engine.token_tree import TokenTree, build_tree, propose_tree
 
 
@@ -129,23 +131,32 @@ def compact_path(cache: StaticKVCache, path: torch.Tensor, batch: int) -> None:
 
 
 class TreeVerifier:
-    """The draft, verify and accept parts of a tree round (see the module docstring).
+    """The tree round's steps (see the module docstring), owned by the engine.
 
-    `draft_step(anchors, kv_len, paths, nodes, depth)` and `verify_step(tokens, depths,
-    ancestors, kv_len)` are tensor functions of static shapes (the budget is a static argument),
-    for the engine to compile and capture like its chain steps; `accept` is the eager greedy
-    walk plus compaction. `draft_cache()` returns the engine's current draft context cache.
+    `draft_step` (anchors -> the tree's fields; the budget `paths / nodes / depth` is a static
+    argument) and `verify_step` (tree -> features, logits) have static shapes and run as
+    `StepCache`s built with the engine's `step_options` (compiled and CUDA-graph-captured on
+    CUDA, like the chain's steps); acceptance and compaction run eager, as the chain's.
+    `draft_cache()` returns the engine's current draft context cache.
     """
 
     def __init__(
         self,
         target: torch.nn.Module,
-        draft: torch.nn.Module,
+        draft: torch.nn.Module | None,
         draft_cache: Callable[[], Any],
+        step_options: dict[str, Any],
     ) -> None:
         self.target = target
         self.draft = draft
         self.draft_cache = draft_cache
+        self.draft_steps = StepCache(self.draft_step, "tree draft", **step_options)
+        self.verify_steps = StepCache(self.verify_step, "tree verify", **step_options)
+
+    @property
+    def steps(self) -> tuple[StepCache, StepCache]:
+        """The two step caches (for capture counts and times)."""
+        return self.draft_steps, self.verify_steps
 
     def draft_step(
         self, anchors: torch.Tensor, kv_len: int, paths: int, nodes: int, depth: int
@@ -164,6 +175,41 @@ class TreeVerifier:
         """One target forward over the tree: context features and float32 logits per node."""
         out = self.target(tokens, kv_len=kv_len, tree_depths=depths, tree_ancestors=ancestors)
         return out.features, self.target.logits(out.hidden)
+
+    def run_round(
+        self,
+        anchors: torch.Tensor,
+        budget: dict[str, int],
+        draft_kv: int,
+        verify_kv: int,
+        sampling: tuple[float, float, torch.Generator | None],
+        timer: StepTimer,
+    ) -> tuple[Acceptance, torch.Tensor | None]:
+        """Draft the trees, verify them in one forward, accept: the `Acceptance` and the
+        accepted path's features in order (root first), ready for the engine's commit.
+        `sampling` is (temperature, top_p, generator); temperature 0 is greedy."""
+        self.draft_steps.prepare(anchors, kv_len=draft_kv, **budget)  # capture outside timing
+        with timer.section("draft"):
+            tree = TokenTree(*self.draft_steps(anchors, kv_len=draft_kv, **budget))
+        inputs = (tree.tokens, tree.depths, tree.ancestors)
+        self.verify_steps.prepare(*inputs, kv_len=verify_kv)
+        with timer.section("verify"):
+            features, logits = self.verify_steps(*inputs, kv_len=verify_kv)
+        return self.accept(tree, logits, features, budget["depth"], *sampling)
+
+    def warmup(
+        self, batch: int, budget: dict[str, int], draft_kvs: list[int], verify_kvs: list[int]
+    ) -> None:
+        """Capture both steps at these kv lengths (CUDA), or run each once (CPU)."""
+        anchors = torch.zeros(batch, dtype=torch.long, device=self.target.device)
+        for kv in draft_kvs:
+            self.draft_steps.prepare(anchors, kv_len=kv, **budget)
+        tree = TokenTree(*self.draft_steps(anchors, kv_len=draft_kvs[0], **budget))
+        inputs = (tree.tokens, tree.depths, tree.ancestors)
+        for kv in verify_kvs:
+            self.verify_steps.prepare(*inputs, kv_len=kv)
+        if not self.verify_steps.enabled:
+            self.verify_steps(*inputs, kv_len=verify_kvs[0])
 
     def accept(
         self,

@@ -79,7 +79,7 @@ def section_exactness(ck: Check, fig: Figures) -> None:
             captured = getattr(engine._target_step, "_steps", None)
             fig.expect(bool(engine._target_step.enabled) and captured != {},
                        "the graphed engine replayed no captured verify step")
-            for step in (engine._tree_draft_step, engine._tree_verify_step):
+            for step in engine._tree.steps:
                 fig.expect(step.enabled and step.num_captured > 0,
                            f"the graphed engine captured no {step.name} step")
     fig["new_tokens"] = new_tokens
