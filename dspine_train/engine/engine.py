@@ -8,6 +8,10 @@ One round for a batch of sequences, each with its own committed length:
     commit: target cache keeps anchor + d_1..d_a; the draft context gets their target features;
             the bonus token becomes the next anchor (its features arrive with the next verify).
 
+With `tree_paths` M > 1 a round drafts and verifies a token tree instead of the chain (the top-M
+paths through the draft's K x K lattice; `engine.tree_verify`), and commits the accepted path
+exactly as above.
+
 The acceptance result is read to the host once per round (the only sync of a step): it decides
 stop strings, token budgets and the per-sequence bookkeeping. Plain decoding (`generate_ar`) is
 the same machinery with one token per step, and is the baseline speculative output must equal.
