@@ -1,6 +1,6 @@
 """Tree verification: one target forward over a token tree, greedy acceptance, compaction.
 
-A round with `tree_paths` M > 1 (greedy decoding):
+A round with `tree_paths` M > 1 (greedy shown; sampling below):
 
     propose_tree(draft, anchors)            -> tree of <= N nodes under each anchor (token_tree)
     target(tree) in one forward              -> logits and context features at every node; a node
@@ -33,12 +33,7 @@ from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.kv_cache import StaticKVCache
 from dspine_train.engine.sampling import sample, target_probs
 from dspine_train.engine.stats import StepTimer
-from dspine_train.engine.token_tree import TokenTree, build_tree, propose_tree
-
-
-def chain_tree(anchors: torch.Tensor, drafts: torch.Tensor) -> TokenTree:
-    """The chain `[anchor, d_1..d_g]` as a one-path tree (what M = 1 verifies)."""
-    return build_tree(anchors, drafts[:, None, :], drafts.shape[1])
+from dspine_train.engine.token_tree import TokenTree, propose_tree
 
 
 def greedy_tree_accept(
