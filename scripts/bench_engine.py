@@ -10,6 +10,12 @@ speedup over plain decoding, draft and verify ms per step, and whether the outpu
 (they must be). Then it times the parts of one draft step: the transition-cache decode against a
 naive serial refine (SPEC 2.4 goal: <= 0.5x), and the share of the draft forward spent in the
 injection modules (goal: <= 5%). Results are also written as JSON.
+
+With `--tree-paths 1,2,4,8` it also compares chain (1) and token-tree verification (M > 1
+lattice paths in at most `--tree-nodes` nodes, default M x g) per batch size and g: the budgets
+run interleaved (`--tree-rounds` passes over all of them, so drift on a shared machine hits
+every budget alike), and a second table gives tau per verification, verify and draft ms per
+step, tokens/s and the ratios to the chain, and whether the outputs equal plain decoding.
 """
 
 from __future__ import annotations
@@ -83,6 +89,94 @@ def draft_step_costs(engine, prompts: list[str], chat: bool, repeats: int) -> di
     return costs
 
 
+def parse_int_list(text: str) -> list[int]:
+    """`"1,2,4,8"` -> `[1, 2, 4, 8]`."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
+    """`[prompt index, token index]` of the first token where `got` leaves `want`, or None."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return [i, j]
+        if len(a) != len(b):
+            return [i, min(len(a), len(b))]
+    return None
+
+
+def tree_comparison(
+    engine, prompts, batch: int, g: int, paths: list[int], nodes: list[int | None],
+    rounds: int, ar_ids: list[list[int]], common: dict,
+) -> list[dict]:
+    """Chain vs tree budgets at one (batch, g), interleaved over `rounds` passes."""
+    from dspine_train.engine.stats import sum_stats
+
+    budgets = list(zip(paths, nodes))
+    parts: dict[tuple[int, int | None], list] = {b: [] for b in budgets}
+    for m, n in budgets:  # warm-up of every budget's shapes
+        engine.configure_tree(m, n)
+        engine.generate(prompts[:batch], max_new_tokens=4, chat=common["chat"], num_draft_tokens=g)
+    outputs = {b: [] for b in budgets}
+    # Interleaved per batch of prompts: drift on a shared machine hits every budget alike.
+    for r in range(rounds):
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            for m, n in budgets:
+                engine.configure_tree(m, n)
+                result = engine.generate(chunk, num_draft_tokens=g, **common)
+                parts[(m, n)].append(result.stats)
+                if r == 0:
+                    outputs[(m, n)] += result.token_ids
+            print(f"tree budgets: pass {r}, prompts {start}..{start + len(chunk) - 1} done",
+                  flush=True)
+    engine.configure_tree(1, None)
+    rows = []
+    for m, n in budgets:
+        total = sum_stats(parts[(m, n)])
+        rows.append({
+            **total.to_dict(), "mode": "tree" if m > 1 else "chain", "batch": batch, "g": g,
+            "paths": m, "nodes": total.tree_nodes if m > 1 else g,
+            "identical": outputs[(m, n)] == ar_ids,
+            "first_difference": first_difference(outputs[(m, n)], ar_ids),
+        })
+    chain = next((r for r in rows if r["paths"] == 1), rows[0])
+    for row in rows:
+        row["tau_vs_chain"] = row["tau"] / chain["tau"] if chain["tau"] else 0.0
+        row["verify_ms_vs_chain"] = (
+            row["verify_ms_per_step"] / chain["verify_ms_per_step"]
+            if chain["verify_ms_per_step"] else 0.0
+        )
+        row["tokens_per_s_vs_chain"] = (
+            row["tokens_per_s"] / chain["tokens_per_s"] if chain["tokens_per_s"] else 0.0
+        )
+    return rows
+
+
+def print_tree_table(rows: list[dict]) -> None:
+    """The chain-vs-tree table."""
+    header = (
+        f"{'batch':>6}{'g':>4}{'M':>4}{'N':>5}{'tau':>7}{'tau x':>7}{'verify ms':>11}"
+        f"{'verify x':>10}{'draft ms':>10}{'tok/s':>9}{'tok/s x':>9}{'identical':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['batch']:>6}{r['g']:>4}{r['paths']:>4}{r['nodes']:>5}{r['tau']:>7.2f}"
+            f"{r['tau_vs_chain']:>7.2f}{r['verify_ms_per_step']:>11.2f}"
+            f"{r['verify_ms_vs_chain']:>10.2f}{r['draft_ms_per_step']:>10.2f}"
+            f"{r['tokens_per_s']:>9.1f}{r['tokens_per_s_vs_chain']:>9.2f}{str(r['identical']):>11}"
+        )
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -97,11 +191,39 @@ def main() -> None:
         help="values of g to compare (default: block_size - 1)",
     )
     parser.add_argument("--repeats", type=int, default=20, help="repeats of the step timings")
+    parser.add_argument(
+        "--tree-paths", type=parse_int_list, default=None,
+        help="compare these tree budgets (lattice paths per round, 1 = the chain), e.g. 1,2,4,8",
+    )
+    parser.add_argument(
+        "--tree-nodes", type=parse_int_list, default=None,
+        help="node budget per --tree-paths entry (one value for all, or one each; "
+        "default: paths x g)",
+    )
+    parser.add_argument("--tree-rounds", type=int, default=2, help="interleaved passes")
+    parser.add_argument(
+        "--tree-only", action="store_true",
+        help="with --tree-paths: plain decoding and the tree comparison only (its budget 1 is "
+        "the chain), no separate speculative runs",
+    )
+    parser.add_argument(
+        "--skip-step-costs", action="store_true", help="do not time the draft step's parts"
+    )
     parser.add_argument("--output", default="bench_results/engine.json")
     args = parser.parse_args()
     if args.draft is None:
         parser.error("--draft is required for the benchmark")
 
+    tree_nodes: list[int | None] = []
+    if args.tree_paths is not None:
+        given = args.tree_nodes or [None]
+        if len(given) not in (1, len(args.tree_paths)):
+            parser.error("--tree-nodes takes one value or one per --tree-paths entry")
+        tree_nodes = given * len(args.tree_paths) if len(given) == 1 else given
+        # The chain ignores the node budget.
+        tree_nodes = [None if m == 1 else n for m, n in zip(args.tree_paths, tree_nodes)]
+    if args.tree_only and args.tree_paths is None:
+        parser.error("--tree-only needs --tree-paths")
     prompts = read_prompts(args.prompts)
     args.batch_size = max(args.batch_sizes)
     engine = build_engine(args)
@@ -109,7 +231,7 @@ def main() -> None:
     g_values = args.num_draft_tokens or [engine.block_size - 1]
     common = dict(max_new_tokens=args.max_new_tokens, chat=chat, seed=args.seed)
 
-    rows = []
+    rows, tree_rows = [], []
     for batch in args.batch_sizes:
         engine.generate_ar(prompts[:batch], max_new_tokens=8, chat=chat)  # warm-up (and capture)
         ar_results, ar = run_batches(engine, prompts, batch, False, f"AR b={batch}", **common)
@@ -125,6 +247,12 @@ def main() -> None:
             }
         )
         for g in g_values:
+            if args.tree_only:
+                tree_rows += tree_comparison(
+                    engine, prompts, batch, g, args.tree_paths, tree_nodes,
+                    args.tree_rounds, ar_ids, common,
+                )
+                continue
             engine.generate(prompts[:batch], max_new_tokens=8, chat=chat, num_draft_tokens=g)
             results, spec = run_batches(
                 engine, prompts, batch, True, f"spec b={batch} g={g}", num_draft_tokens=g, **common
@@ -140,8 +268,13 @@ def main() -> None:
                     "identical": ids == ar_ids,
                 }
             )
+            if args.tree_paths is not None:
+                tree_rows += tree_comparison(
+                    engine, prompts, batch, g, args.tree_paths, tree_nodes,
+                    args.tree_rounds, ar_ids, common,
+                )
 
-    costs = draft_step_costs(engine, prompts, chat, args.repeats)
+    costs = {} if args.skip_step_costs else draft_step_costs(engine, prompts, chat, args.repeats)
 
     header = (
         f"{'mode':<15}{'batch':>6}{'g':>4}{'tau':>7}{'tok/s':>9}{'speedup':>9}"
@@ -156,6 +289,8 @@ def main() -> None:
             f"{row['verify_ms_per_step']:>11.2f}{str(row['identical']):>11}"
         )
     print()
+    if tree_rows:
+        print_tree_table(tree_rows)
     for name, value in costs.items():
         print(f"{name:<32}{value:10.3f}")
 
@@ -169,6 +304,8 @@ def main() -> None:
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "runs": rows,
+        "tree_runs": tree_rows,
+        "tree_rounds": args.tree_rounds if tree_rows else 0,
         "draft_step_costs": costs,
     }
     out = Path(args.output)

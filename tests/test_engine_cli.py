@@ -136,3 +136,37 @@ def test_cli_output_failure_after_generation_leaves_nothing(files, capsys, monke
         f"error: --output {out_dir / 'out.json'}: cannot write (No space left on device)"
     )
     assert list(out_dir.iterdir()) == []  # neither the file nor its temporary
+
+
+def test_cli_tree_paths_verify_a_token_tree(files, capsys):
+    argv = [
+        "--target", str(files / "target"), "--draft", str(files / "draft"),
+        "--prompts", str(files / "prompts.jsonl"), "--no-chat", "--max-new-tokens", "6",
+        "--batch-size", "2", "--max-seq-len", "32",
+    ]
+    assert main([*argv, "--output", str(files / "chain.json")]) == 0
+    assert main([*argv, "--tree-paths", "2", "--output", str(files / "tree.json")]) == 0
+    chain, tree = (json.loads((files / f"{n}.json").read_text()) for n in ("chain", "tree"))
+    assert tree["stats"]["tree_paths"] == 2 and tree["stats"]["tree_nodes"] == 14
+    assert [r["token_ids"] for r in tree["results"]] == [r["token_ids"] for r in chain["results"]]
+    capsys.readouterr()
+    assert main([*argv, "--tree-paths", "0"]) == 2
+    assert "--tree-paths must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_script_compares_chain_and_trees(files):
+    out = files / "bench_tree.json"
+    cmd = [
+        sys.executable, str(REPO / "scripts" / "bench_engine.py"),
+        "--target", str(files / "target"), "--draft", str(files / "draft"),
+        "--prompts", str(files / "prompts.jsonl"), "--no-chat", "--max-new-tokens", "4",
+        "--max-seq-len", "32", "--tree-paths", "1,2", "--tree-nodes", "9",
+        "--tree-rounds", "1", "--skip-step-costs", "--output", str(out),
+    ]
+    # The script imports this checkout's package (not whichever one is installed).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    assert "tok/s x" in done.stdout
+    rows = json.loads(out.read_text())["tree_runs"]
+    assert [(r["mode"], r["paths"], r["nodes"]) for r in rows] == [("chain", 1, 7), ("tree", 2, 9)]
+    assert all(r["identical"] for r in rows) and rows[0]["tau_vs_chain"] == 1.0

@@ -50,8 +50,9 @@ def test_cpu_tiny_mode_runs_every_section_with_real_figures(cpu_report):
 
     exact = sections["exactness"]
     cases = exact["cases"]
-    # batch 1 and ragged 4; plain + g in {3, 15}; graphs off only on CPU
-    assert len(cases) == 6 and {c.get("g") for c in cases} == {None, 3, 15}
+    # batch 1 and ragged 4; plain + g in {3, 15} + two trees at g=15; graphs off only on CPU
+    assert len(cases) == 10 and {c.get("g") for c in cases} == {None, 3, 15}
+    assert sum(c["mode"] == "tree" for c in cases) == 4
     assert all(c["equal_transformers"] and c.get("equal_plain", True) for c in cases)
     assert exact["tau_max"] > 1.5
 

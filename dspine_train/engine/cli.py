@@ -129,6 +129,10 @@ def _generation_argument_problem(args: argparse.Namespace) -> str | None:
         return f"--top-p must be in (0, 1], got {args.top_p}"
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         return f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}"
+    if args.tree_paths < 1:
+        return f"--tree-paths must be >= 1, got {args.tree_paths}"
+    if args.tree_nodes is not None and args.tree_nodes < 1:
+        return f"--tree-nodes must be >= 1, got {args.tree_nodes}"
     return None
 
 
@@ -187,6 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         help="draft tokens verified per round (default: block_size - 1)",
     )
     parser.add_argument("--ar", action="store_true", help="plain decoding even with a draft")
+    parser.add_argument(
+        "--tree-paths",
+        type=int,
+        default=1,
+        help="verify a token tree of this many lattice paths per round (greedy; 1: the chain)",
+    )
+    parser.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=None,
+        help="at most this many tree nodes per round (default: tree paths x draft tokens)",
+    )
     parser.add_argument("--output", default=None, help="write results and stats as JSON here")
     args = parser.parse_args(argv)
     problem = (
@@ -203,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(args.prompts)
         engine = build_engine(args)
         speculative = engine.draft is not None and not args.ar
+        if speculative:
+            engine.configure_tree(args.tree_paths, args.tree_nodes)
         kwargs = dict(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,

@@ -8,6 +8,10 @@ One round for a batch of sequences, each with its own committed length:
     commit: target cache keeps anchor + d_1..d_a; the draft context gets their target features;
             the bonus token becomes the next anchor (its features arrive with the next verify).
 
+With `tree_paths` M > 1 a round drafts and verifies a token tree instead of the chain (the top-M
+paths through the draft's K x K lattice; `engine.tree_verify`), and commits the accepted path
+exactly as above.
+
 The acceptance result is read to the host once per round (the only sync of a step): it decides
 stop strings, token budgets and the per-sequence bookkeeping. Plain decoding (`generate_ar`) is
 the same machinery with one token per step, and is the baseline speculative output must equal.
@@ -38,6 +42,7 @@ from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
 from dspine_train.engine.sampling import next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
 from dspine_train.engine.target_model import TargetModel
+from dspine_train.engine.tree_verify import TreeVerifier
 from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
 from dspine_train.engine.weights import load_target
 
@@ -70,6 +75,11 @@ class Engine:
     pool; `warmup` captures them ahead of timing. A failed compile/capture raises with
     `strict_graphs=True` and otherwise warns and runs that step eager. `compile_backend` is
     `torch.compile`'s backend ("eager" traces the steps without generating kernels).
+
+    `tree_paths` M > 1 verifies a token tree per round instead of the chain (see
+    `engine.tree_verify`; lossless when greedy and when sampling): the top-M paths through the
+    draft's K x K lattice, merged into at most `tree_nodes` N nodes (default M x g).
+    `configure_tree` changes them later.
     """
 
     def __init__(
@@ -87,6 +97,8 @@ class Engine:
         kv_bucket_size: int = 256,
         compile_backend: str = "inductor",
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tree_paths: int = 1,
+        tree_nodes: int | None = None,
     ) -> None:
         if kv_bucket_size < 1:
             raise GenerationInputError(f"kv_bucket_size must be >= 1, got {kv_bucket_size}")
@@ -134,6 +146,8 @@ class Engine:
         self._target_step = StepCache(self._target_forward, "verify", **steps)
         self._draft_step = StepCache(self._draft_greedy, "draft", **steps)
         self._commit_step = StepCache(self._commit, "commit", state=self._commit_state, **steps)
+        self._tree = TreeVerifier(target, draft, lambda: self.draft_cache, steps)
+        self.configure_tree(tree_paths, tree_nodes)
         # Per-round bookkeeping lives on the device, updated in place: the rows running at the
         # start of the round (`_active`) and those still running after it (`_running`).
         self._active = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
@@ -221,6 +235,28 @@ class Engine:
         """Plain autoregressive decoding with the same target and caches (the baseline)."""
         return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed)
 
+    def configure_tree(self, paths: int = 1, nodes: int | None = None) -> None:
+        """Verify trees of the top-`paths` lattice paths in at most `nodes` nodes per round
+        (None: paths x g, every path whole); `paths=1` is the chain."""
+        if paths < 1 or (nodes is not None and nodes < 1):
+            raise GenerationInputError(
+                f"tree_paths must be >= 1 and tree_nodes >= 1 (or None), got {paths}, {nodes}"
+            )
+        if paths > 1 and self.draft is None:
+            raise GenerationInputError("tree_paths > 1 needs a draft")
+        self.tree_paths, self.tree_nodes = int(paths), nodes
+
+    def _tree_budget(self, num_draft: int) -> int | None:
+        """Nodes verified per round by a tree round, or None where the round is a chain."""
+        if self.tree_paths == 1 or num_draft == 0:
+            return None
+        nodes = self.tree_paths * num_draft if self.tree_nodes is None else self.tree_nodes
+        if nodes < num_draft:
+            raise GenerationInputError(
+                f"tree_nodes={nodes} must be >= num_draft_tokens={num_draft} (the chain fits)"
+            )
+        return nodes
+
     def kv_buckets(self) -> list[int]:
         """Every kv length a verify step can attend over: multiples of `kv_bucket_size` below
         the capacity, then the capacity (`max_seq_len`)."""
@@ -240,6 +276,8 @@ class Engine:
         of `kv_buckets()` (default: all of them). On CPU, where nothing is captured, it checks
         the arguments and runs each step once eagerly at the smallest bucket. Returns the number
         of captured graphs and the seconds it took. Greedy steps only: sampling drafts eagerly.
+        With `tree_paths` > 1 the tree draft and verify steps of the current budget are captured
+        too (they serve greedy and sampling rounds alike).
         """
         sizes, gs, buckets = self._check_warmup(batch_sizes, num_draft_tokens, kv_buckets)
         if not self._target_step.enabled:
@@ -270,6 +308,12 @@ class Engine:
                         self._draft_step.prepare(anchors, kv_len=kv)
                         if not self._draft_step.enabled:
                             self._draft_step(anchors, kv_len=kv)
+                if self.draft is not None and self.tree_paths > 1:
+                    for g in (g for g in gs if g > 0):
+                        nodes = self._tree_budget(g)
+                        fits = [b for b in buckets if b >= nodes + 1] or [self.max_seq_len]
+                        budget = dict(paths=self.tree_paths, nodes=nodes, depth=g)
+                        self._tree.warmup(batch, budget, self._draft_buckets(buckets), fits)
             self.target.cache.reset(self.max_batch_size)
         captured = sum(s.num_captured for s in self._steps())
         return {"graphs": captured, "capture_s": self._capture_seconds() - before}
@@ -296,6 +340,9 @@ class Engine:
         stats.num_sequences, stats.prompt_tokens = len(ids), sum(len(p) for p in ids)
         stats.accepted_at = [0] * num_draft
         stats.round_accepted = [[] for _ in ids]
+        tree_nodes = self._tree_budget(num_draft)
+        if tree_nodes is not None:
+            stats.tree_paths, stats.tree_nodes = self.tree_paths, tree_nodes
         sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
         timer = StepTimer(self.device)
         states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
@@ -317,7 +364,12 @@ class Engine:
 
             while not all(s.done for s in states):
                 longest = max(n for s, n in zip(states, committed) if not s.done)
-                acc, features = self._round(anchors, longest, num_draft, sampler, timer)
+                if tree_nodes is None:
+                    acc, features = self._round(anchors, longest, num_draft, sampler, timer)
+                else:
+                    acc, features = self._tree_round(
+                        anchors, longest, num_draft, tree_nodes, sampler, timer
+                    )
                 for b in self._record(acc, states, committed, stats):
                     running[b] = False
                 stats.steps += 1
@@ -369,11 +421,12 @@ class Engine:
         if stop and self.tokenizer is None:
             raise GenerationInputError("stop strings need a tokenizer")
         # Room for the prompt, every new token, and the widest verify written past them.
-        needed = max(len(p) for p in ids) + max_new_tokens + num_draft + 1
+        width = self._tree_budget(num_draft) or num_draft
+        needed = max(len(p) for p in ids) + max_new_tokens + width + 1
         if needed > self.max_seq_len:
             raise GenerationInputError(
                 f"the longest prompt ({max(len(p) for p in ids)} tokens) + max_new_tokens "
-                f"({max_new_tokens}) + one verified block ({num_draft + 1}) needs {needed} cache "
+                f"({max_new_tokens}) + one verified block ({width + 1}) needs {needed} cache "
                 f"positions; the engine was built with max_seq_len={self.max_seq_len}"
             )
 
@@ -509,6 +562,26 @@ class Engine:
             draft_q = probs[:, :0]
         return rejection_accept(draft_tokens, draft_q, probs, sampler.generator), features
 
+    def _tree_round(
+        self,
+        anchors: torch.Tensor,
+        longest: int,
+        depth: int,
+        nodes: int,
+        sampler: _Sampler,
+        timer: StepTimer,
+    ) -> tuple[Acceptance, torch.Tensor | None]:
+        """A round over a token tree (`tree_verify`); it records and commits as a chain round
+        of g = `depth` (the accepted nodes' K/V and features are moved into order)."""
+        return self._tree.run_round(
+            anchors,
+            dict(paths=self.tree_paths, nodes=nodes, depth=depth),
+            self._bucket(longest + self.block_size, self._draft_capacity()),
+            self._bucket(longest + nodes + 1, self.max_seq_len),
+            (sampler.temperature, sampler.top_p, sampler.generator),
+            timer,
+        )
+
     def _propose(
         self, anchors: torch.Tensor, sampler: _Sampler, num_draft: int, kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -576,7 +649,7 @@ class Engine:
         return sorted(out)
 
     def _steps(self) -> tuple[StepCache, ...]:
-        return (self._target_step, self._draft_step, self._commit_step)
+        return (self._target_step, self._draft_step, self._commit_step, *self._tree.steps)
 
     def _capture_seconds(self) -> float:
         return sum(step.capture_s for step in self._steps())

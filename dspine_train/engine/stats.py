@@ -39,6 +39,10 @@ class GenerationStats:
     verify_s: float = 0.0
     total_s: float = 0.0  # wall time, compiling / CUDA-graph capture excluded
     capture_s: float = 0.0  # compiling / capturing steps met for the first time in this call
+    # Token-tree verification: lattice paths and nodes (anchor excluded) verified per round;
+    # 1 and 0 for a chain (including the sampling fallback of a tree engine).
+    tree_paths: int = 1
+    tree_nodes: int = 0
 
     @property
     def tau(self) -> float:
@@ -99,6 +103,7 @@ def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
             setattr(total, name, getattr(total, name) + getattr(part, name))
         total.accepted_at = [a + b for a, b in zip(total.accepted_at, part.accepted_at)]
         total.round_accepted += [list(rounds) for rounds in part.round_accepted]
+    total.tree_paths, total.tree_nodes = parts[0].tree_paths, parts[0].tree_nodes
     return total
 
 

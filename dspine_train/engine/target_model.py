@@ -341,7 +341,12 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, kv_len: int | None = None, prefill: bool = False
+        self,
+        input_ids: torch.Tensor,
+        kv_len: int | None = None,
+        prefill: bool = False,
+        tree_depths: torch.Tensor | None = None,
+        tree_ancestors: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run new tokens `input_ids (B, T)` (right-padded) at each sequence's cache length.
 
@@ -351,24 +356,38 @@ class TargetModel(nn.Module):
         default is the full capacity. `prefill=True` promises every cache length is 0 (the
         caller just reset the cache): attention is then plain causal over the new tokens, with
         no mask, which the flash / memory-efficient kernels run.
+
+        A token tree (`tree_depths (B, T)`, `tree_ancestors (B, T, T)`, see
+        `engine.token_tree.TokenTree`) changes two things: token `i` gets position
+        `lengths[b] + tree_depths[b, i]` (it is still written to slot `lengths[b] + i`), and it
+        sees the committed context plus the new tokens `j` with `tree_ancestors[b, i, j]` only.
         """
         if self.cache is None or self.rope is None:
             raise RuntimeError("TargetModel.setup(...) must be called before forward")
         cache, (batch, steps) = self.cache, input_ids.shape
         kv_len = cache.capacity if kv_len is None else kv_len
         offsets = torch.arange(steps, device=input_ids.device)
-        positions = cache.lengths[:batch, None] + offsets[None, :]  # (B, T)
+        lengths = cache.lengths[:batch, None]
+        written = lengths + offsets[None, :]  # (B, T): the cache slot of each new token
         mask = sliding_mask = None
         slots = torch.arange(kv_len, device=input_ids.device)
+        if tree_depths is None:
+            positions = written
+            # (B, T, S): a query sees the slots at or before its own position.
+            visible = slots[None, None, :] <= positions[:, :, None]
+            key_positions = slots[None, :]
+        else:
+            positions = lengths + tree_depths
+            visible, key_positions = _tree_visibility(
+                lengths, slots, tree_depths, tree_ancestors
+            )
         if not prefill:
-            # (B, 1, T, S): a query sees the slots at or before its own position.
-            mask = (slots[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+            mask = visible.unsqueeze(1)  # (B, 1, T, S)
         if "sliding_attention" in self.config.layer_types:
             # ... and a sliding layer only the last `sliding_window` of them (HF's
             # `kv_idx > q_idx - sliding_window`), in a prefill too.
-            window = slots[None, None, :] > positions[:, :, None] - self.config.sliding_window
-            sliding_mask = (slots[None, None, :] <= positions[:, :, None]) & window
-            sliding_mask = sliding_mask.unsqueeze(1)
+            window = key_positions[:, None, :] > positions[:, :, None] - self.config.sliding_window
+            sliding_mask = (visible & window).unsqueeze(1)
         ropes = {kind: table.lookup(positions) for kind, table in self.ropes.items()}
         layer_types = self.config.layer_types or ("full_attention",) * self.config.num_layers
 
@@ -382,7 +401,7 @@ class TargetModel(nn.Module):
             kind = layer_types[index]
             rope = ropes[kind] if kind in ropes else ropes[None]
             layer_mask = sliding_mask if kind == "sliding_attention" else mask
-            x = layer(x, rope, layer_mask, cache, index, positions, kv_len)
+            x = layer(x, rope, layer_mask, cache, index, written, kv_len)
             if index in wanted:
                 collected[index] = x
         hidden = self.model.norm(x)
@@ -397,3 +416,25 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits `(..., V)` of final hidden states `(..., H)`."""
         return self.lm_head(hidden).float()
+
+
+def _tree_visibility(
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+    depths: torch.Tensor,
+    ancestors: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree attention over the cache: `(visible (B, T, S), key positions (B, S))`.
+
+    A query sees every committed slot (`< lengths[b]`) and the slots `lengths[b] + j` of the
+    new tokens `j` that are itself or its ancestors; the key at such a slot sits at position
+    `lengths[b] + depths[b, j]`.
+    """
+    steps = depths.shape[1]
+    j = slots[None, :] - lengths  # (B, S): index into the new tokens, where 0 <= j < T
+    in_block = (j >= 0) & (j < steps)
+    jj = j.clamp(0, steps - 1)
+    tree = ancestors.gather(2, jj[:, None, :].expand(-1, steps, -1)) & in_block[:, None, :]
+    visible = (j < 0)[:, None, :] | tree
+    key_positions = torch.where(in_block, lengths + depths.gather(1, jj), slots[None, :])
+    return visible, key_positions

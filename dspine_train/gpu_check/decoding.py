@@ -1,5 +1,6 @@
-"""Sections 3 and 4 of the GPU check: fp32 exactness on a tiny target; the Qwen3-8B-shaped bf16
-target against transformers, lossless with an oracle draft, teacher-forced agreement."""
+"""Sections 3 and 4 of the GPU check: fp32 exactness on a tiny target (chain and token-tree
+verification, graphed and eager); the Qwen3-8B-shaped bf16 target against transformers,
+lossless with an oracle draft, teacher-forced agreement."""
 
 from __future__ import annotations
 
@@ -62,12 +63,25 @@ def section_exactness(ck: Check, fig: Figures) -> None:
                                       equal_plain=out.token_ids == plain,
                                       equal_transformers=out.token_ids == ref,
                                       tau=round(out.stats.tau, 3)))
+                # Token-tree verification (greedy): its draft and verify steps are captured too.
+                for paths, nodes in ((4, None), (8, 24)):
+                    engine.configure_tree(paths, nodes)
+                    out = engine.generate(batch, max_new_tokens=new_tokens, num_draft_tokens=15)
+                    engine.configure_tree(1, None)
+                    cases.append(dict(graphs=graphs, batch=batch_name, mode="tree", g=15,
+                                      paths=paths, nodes=out.stats.tree_nodes,
+                                      equal_plain=out.token_ids == plain,
+                                      equal_transformers=out.token_ids == ref,
+                                      tau=round(out.stats.tau, 3)))
         failed_capture = [str(w.message) for w in caught if "capture" in str(w.message)]
         if graphs:
             fig.expect(not failed_capture, f"CUDA-graph capture fell back to eager: {failed_capture}")
             captured = getattr(engine._target_step, "_steps", None)
             fig.expect(bool(engine._target_step.enabled) and captured != {},
                        "the graphed engine replayed no captured verify step")
+            for step in engine._tree.steps:
+                fig.expect(step.enabled and step.num_captured > 0,
+                           f"the graphed engine captured no {step.name} step")
     fig["new_tokens"] = new_tokens
     fig["cases"] = cases
     bad = [c for c in cases if not (c["equal_transformers"] and c.get("equal_plain", True))]

@@ -1,0 +1,230 @@
+"""Tree verification: one target forward over a token tree, greedy acceptance, compaction.
+
+A round with `tree_paths` M > 1 (greedy shown; sampling below):
+
+    propose_tree(draft, anchors)            -> tree of <= N nodes under each anchor (token_tree)
+    target(tree) in one forward              -> logits and context features at every node; a node
+                                                sits at position length + depth and sees the
+                                                committed context and its own ancestors only
+    greedy_tree_accept                       -> from the root, follow the child whose token is the
+                                                target's argmax at the current node; that path
+                                                plus the bonus token (argmax at its last node)
+                                                (sampled_tree_accept when sampling)
+    compact_path                             -> the accepted nodes' K/V moved to slots
+                                                length + 0..a, their features gathered in order
+
+The result is an ordinary `Acceptance` `(B, depth + 1)` plus path-ordered features, so the engine
+records and commits it exactly as a chain round. Path 0 of every tree is the greedy chain, so a
+greedy tree round never accepts fewer tokens than the chain round would. When sampling
+(temperature > 0), `sampled_tree_accept` draws the target's token at each node and descends
+while a child holds it: multi-candidate rejection with the tree's deterministic (point-mass)
+candidates, lossless like the chain's rejection sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dspine_train.engine.acceptance import Acceptance
+from dspine_train.engine.cuda_graphs import StepCache
+from dspine_train.engine.kv_cache import StaticKVCache
+from dspine_train.engine.sampling import sample, target_probs
+from dspine_train.engine.stats import StepTimer
+from dspine_train.engine.token_tree import TokenTree, propose_tree
+
+
+def greedy_tree_accept(
+    tree: TokenTree, logits: torch.Tensor, depth: int
+) -> tuple[Acceptance, torch.Tensor]:
+    """Greedy acceptance over `tree` (nodes at most `depth` deep) given target
+    `logits (B, N + 1, V)` at its nodes.
+
+    Returns the `Acceptance` (tokens `(B, depth + 1)`: the accepted path's tokens then the
+    bonus) and `path (B, depth + 1)`: block indices of the root and the accepted nodes in
+    order (entries past `num_accepted` repeat the last accepted node).
+    """
+    argmax = logits.argmax(-1)  # (B, N + 1)
+    return _walk(tree, depth, lambda node: argmax.gather(1, node[:, None]).squeeze(1))
+
+
+def sampled_tree_accept(
+    tree: TokenTree,
+    probs: torch.Tensor,
+    depth: int,
+    generator: torch.Generator | None = None,
+) -> tuple[Acceptance, torch.Tensor]:
+    """Lossless acceptance over `tree` when sampling; `probs (B, N + 1, V)` the target's
+    distributions at its nodes (after temperature / top-p). Returns as `greedy_tree_accept`.
+
+    The tree's candidates are deterministic (the top lattice paths), i.e. point-mass proposals.
+    Multi-candidate rejection (SpecInfer) with point masses tries the children in turn: child c
+    is accepted with probability residual(c), and a rejection removes c from the residual; child
+    c is thus taken with probability p(c) and the walk stops with a draw from p restricted to
+    the other tokens. That is the same law as drawing x ~ p at the node and descending when a
+    child holds x, which is what this does: every emitted token is a draw from the target's
+    distribution given the committed tokens and the accepted path, so the output has the law
+    of plain sampling.
+    """
+    vocab = probs.shape[-1]
+
+    def draw(node: torch.Tensor) -> torch.Tensor:
+        rows = probs.gather(1, node[:, None, None].expand(-1, 1, vocab)).squeeze(1)  # (B, V)
+        return sample(rows, generator)
+
+    return _walk(tree, depth, draw)
+
+
+def _walk(
+    tree: TokenTree, depth: int, choose: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[Acceptance, torch.Tensor]:
+    """From the root, descend to the child holding `choose(node)` (the target's token after
+    `node`) while one does; the first token without a child, or the token after the deepest
+    node, is the bonus. Static shapes: `depth` steps for every row, no host reads."""
+    batch, device = tree.tokens.shape[0], tree.tokens.device
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    bonus = torch.zeros(batch, dtype=torch.long, device=device)
+    path, tokens, accepted = [node], [], []
+    for _ in range(depth):
+        want = choose(node)  # (B,)
+        match = (tree.parents == node[:, None]) & (tree.tokens == want[:, None]) & tree.valid
+        match[:, 0] = False  # the root is its own parent, never its own child
+        found = match.any(-1) & alive
+        bonus = torch.where(alive & ~found, want, bonus)
+        child = match.int().argmax(-1)  # siblings hold distinct tokens: at most one match
+        node = torch.where(found, child, node)
+        alive = found
+        path.append(node)
+        tokens.append(tree.tokens.gather(1, node[:, None]).squeeze(1))
+        accepted.append(found)
+    bonus = torch.where(alive, choose(node), bonus)  # every level accepted: one more token
+    prefix = torch.stack(accepted, dim=1) if accepted else alive[:, None][:, :0]  # (B, D)
+    num_accepted = prefix.long().sum(-1)
+    drafted = torch.stack(tokens, dim=1) if tokens else bonus[:, None][:, :0]
+    out = torch.cat([drafted, bonus[:, None]], dim=1)
+    out = out.scatter(1, num_accepted[:, None], bonus[:, None])
+    return Acceptance(num_accepted, out, prefix), torch.stack(path, dim=1)
+
+
+def compact_path(cache: StaticKVCache, path: torch.Tensor, batch: int) -> None:
+    """Move the K/V of the accepted path's nodes (`path (B, D + 1)` block indices) to slots
+    `lengths + 0..D` of every layer. Slots past the accepted ones receive copies of the last
+    accepted node, past the committed length where nothing reads them."""
+    lengths = cache.lengths[:batch, None]
+    src = lengths + path  # (B, D + 1)
+    dst = lengths + torch.arange(path.shape[1], device=path.device)[None, :]
+    rows = torch.arange(batch, device=path.device)[:, None]
+    for buffer in (cache.keys, cache.values):
+        # Advanced indexing on (batch, slot): (B, D + 1, layers, heads, head_dim). Every source
+        # is read before any write. (A gather / scatter_ along the slot axis is ~200x slower on
+        # CPU: it walks the whole capacity.)
+        moved = buffer[rows, :, :, src]
+        buffer[rows, :, :, dst] = moved
+
+
+class TreeVerifier:
+    """The tree round's steps (see the module docstring), owned by the engine.
+
+    `draft_step` (anchors -> the tree's fields; the budget `paths / nodes / depth` is a static
+    argument) and `verify_step` (tree -> features, logits) have static shapes and run as
+    `StepCache`s built with the engine's `step_options` (compiled and CUDA-graph-captured on
+    CUDA, like the chain's steps); acceptance and compaction run eager, as the chain's.
+    `draft_cache()` returns the engine's current draft context cache.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module | None,
+        draft_cache: Callable[[], Any],
+        step_options: dict[str, Any],
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.draft_cache = draft_cache
+        self.draft_steps = StepCache(self.draft_step, "tree draft", **step_options)
+        self.verify_steps = StepCache(self.verify_step, "tree verify", **step_options)
+
+    @property
+    def steps(self) -> tuple[StepCache, StepCache]:
+        """The two step caches (for capture counts and times)."""
+        return self.draft_steps, self.verify_steps
+
+    def draft_step(
+        self, anchors: torch.Tensor, kv_len: int, paths: int, nodes: int, depth: int
+    ) -> tuple[torch.Tensor, ...]:
+        """The tree of each anchor as `TokenTree`'s fields, in order."""
+        tree = propose_tree(self.draft, self.draft_cache(), anchors, paths, nodes, depth, kv_len)
+        return tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestors
+
+    def verify_step(
+        self,
+        tokens: torch.Tensor,
+        depths: torch.Tensor,
+        ancestors: torch.Tensor,
+        kv_len: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One target forward over the tree: context features and float32 logits per node."""
+        out = self.target(tokens, kv_len=kv_len, tree_depths=depths, tree_ancestors=ancestors)
+        return out.features, self.target.logits(out.hidden)
+
+    def run_round(
+        self,
+        anchors: torch.Tensor,
+        budget: dict[str, int],
+        draft_kv: int,
+        verify_kv: int,
+        sampling: tuple[float, float, torch.Generator | None],
+        timer: StepTimer,
+    ) -> tuple[Acceptance, torch.Tensor | None]:
+        """Draft the trees, verify them in one forward, accept: the `Acceptance` and the
+        accepted path's features in order (root first), ready for the engine's commit.
+        `sampling` is (temperature, top_p, generator); temperature 0 is greedy."""
+        self.draft_steps.prepare(anchors, kv_len=draft_kv, **budget)  # capture outside timing
+        with timer.section("draft"):
+            tree = TokenTree(*self.draft_steps(anchors, kv_len=draft_kv, **budget))
+        inputs = (tree.tokens, tree.depths, tree.ancestors)
+        self.verify_steps.prepare(*inputs, kv_len=verify_kv)
+        with timer.section("verify"):
+            features, logits = self.verify_steps(*inputs, kv_len=verify_kv)
+        return self.accept(tree, logits, features, budget["depth"], *sampling)
+
+    def warmup(
+        self, batch: int, budget: dict[str, int], draft_kvs: list[int], verify_kvs: list[int]
+    ) -> None:
+        """Capture both steps at these kv lengths (CUDA), or run each once (CPU)."""
+        anchors = torch.zeros(batch, dtype=torch.long, device=self.target.device)
+        for kv in draft_kvs:
+            self.draft_steps.prepare(anchors, kv_len=kv, **budget)
+        tree = TokenTree(*self.draft_steps(anchors, kv_len=draft_kvs[0], **budget))
+        inputs = (tree.tokens, tree.depths, tree.ancestors)
+        for kv in verify_kvs:
+            self.verify_steps.prepare(*inputs, kv_len=kv)
+        if not self.verify_steps.enabled:
+            self.verify_steps(*inputs, kv_len=verify_kvs[0])
+
+    def accept(
+        self,
+        tree: TokenTree,
+        logits: torch.Tensor,
+        features: torch.Tensor | None,
+        depth: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Acceptance, torch.Tensor | None]:
+        """Acceptance (greedy, or lossless sampling at `temperature` > 0), K/V compaction, and
+        the accepted path's features in order."""
+        if temperature <= 0.0:
+            acc, path = greedy_tree_accept(tree, logits, depth)
+        else:
+            probs = target_probs(logits, temperature, top_p)
+            acc, path = sampled_tree_accept(tree, probs, depth, generator)
+        compact_path(self.target.cache, path, path.shape[0])
+        if features is not None:
+            index = path[:, :, None].expand(-1, -1, features.shape[-1])
+            features = features.gather(1, index)  # (B, D + 1, F): root, then accepted nodes
+        return acc, features
