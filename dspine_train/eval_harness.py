@@ -66,7 +66,8 @@ class BenchResult:
     temperature 0, whether speculative and plain decoding gave the same tokens for every prompt
     (None when not checked: sampling, or no plain run); *_ms_per_step: mean draft and target
     forward time per speculative round. The fields after ``verify_ms_per_step`` record what
-    was measured: g, the block size, and the prompts with their split.
+    was measured: g, the block size, the prompts with their split, and the token-tree budget
+    (``tree_paths`` lattice paths in ``tree_nodes`` nodes per round; 1 and 0 for the chain).
     """
 
     bench: str
@@ -87,6 +88,8 @@ class BenchResult:
     max_new_tokens: int = 0
     prompt_ids: list[str] = field(default_factory=list)
     split: dict[str, Any] = field(default_factory=dict)
+    tree_paths: int = 1
+    tree_nodes: int = 0
 
 
 def encode_messages(tokenizer: Any, prompts: Sequence[Messages],
@@ -121,6 +124,7 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
              num_draft_tokens: int | None = None, measure_ar: bool = True, seed: int = 0,
              engine: Any = None, batch_size: int = 1, device: str | None = None,
              ar_cache: dict[tuple, tuple[list[list[int]], Any]] | None = None,
+             tree_paths: int = 1, tree_nodes: int | None = None,
              ) -> list[BenchResult]:
     """Run speculative (and plain) decoding of ``draft`` on each benchmark and temperature.
 
@@ -132,7 +136,9 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
     A short warm-up call of each mode runs before anything is timed. ``ar_cache``: a dict
     shared between calls on the same target and machine; plain decoding of a (benchmark,
     temperature, settings) already in it is reused instead of run again (it does not depend
-    on the draft).
+    on the draft). ``tree_paths`` M > 1 verifies a token tree of the top-M lattice paths in at
+    most ``tree_nodes`` nodes per round (`Engine.configure_tree`; default M x g) instead of the
+    chain; the engine is left set to that budget.
     """
     if not benches or not temperatures:
         raise BenchmarkError("give at least one benchmark and one temperature")
@@ -146,10 +152,15 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
                              "(data_prep.benchmarks.load_benchmark), not names")
     if engine is None:
         engine = build_engine(target, draft, loaded, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, device=device)
+                              batch_size=batch_size, device=device,
+                              tree_nodes=_tree_width(tree_paths, tree_nodes, draft))
     if engine.draft is None:
         raise BenchmarkError("the engine has no draft to evaluate")
     g = engine.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
+    try:
+        engine.configure_tree(tree_paths, tree_nodes)
+    except ValueError as err:  # GenerationInputError: a bad budget, named
+        raise BenchmarkError(f"tree budget: {err}") from err
     kwargs = getattr(engine, "chat_template_kwargs", None)
     encoded = [encode_messages(engine.tokenizer, bench.prompts, kwargs) for bench in loaded]
 
@@ -187,13 +198,27 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
                 draft_ms_per_step=spec.draft_ms_per_step,
                 verify_ms_per_step=spec.verify_ms_per_step, num_draft_tokens=g,
                 block_size=engine.block_size, batch_size=batch_size,
-                max_new_tokens=max_new_tokens, prompt_ids=list(bench.ids), split=bench.split))
+                max_new_tokens=max_new_tokens, prompt_ids=list(bench.ids), split=bench.split,
+                tree_paths=spec.tree_paths, tree_nodes=spec.tree_nodes))
     return results
 
 
+def _tree_width(paths: int, nodes: int | None, draft: str | Path) -> int:
+    """Nodes a tree round of this budget verifies (0 for the chain), for the cache headroom."""
+    if paths <= 1:
+        return 0
+    if nodes is not None:
+        return int(nodes)
+    config = Path(draft) / "config.json"
+    block = int(json.loads(config.read_text()).get("block_size", 16)) if config.is_file() else 16
+    return paths * (block - 1)
+
+
 def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchmark], *,
-                 max_new_tokens: int, batch_size: int = 1, device: str | None = None) -> Any:
-    """An `Engine` for ``target`` + ``draft`` with caches just long enough for ``benches``."""
+                 max_new_tokens: int, batch_size: int = 1, device: str | None = None,
+                 tree_nodes: int = 0) -> Any:
+    """An `Engine` for ``target`` + ``draft`` with caches just long enough for ``benches``
+    (and for a verified round of ``tree_nodes`` tree nodes, where that is wider than a block)."""
     from transformers import AutoTokenizer
 
     from dspine_train.engine import Engine
@@ -211,7 +236,7 @@ def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchm
     block = int(draft_config.get("block_size", 16))
     return Engine.from_pretrained(target, draft, device=device, tokenizer=tokenizer,
                                   max_batch_size=batch_size,
-                                  max_seq_len=longest + max_new_tokens + block + 1)
+                                  max_seq_len=longest + max_new_tokens + max(block, tree_nodes) + 1)
 
 
 # ---------------------------------------------------------------------------------- reports
@@ -246,13 +271,14 @@ def results_markdown(results: dict[str, list[BenchResult]]) -> str:
         lines.append(f"| {name} | " + " | ".join(_fmt(t) for t in taus) + f" | {_fmt(mean)} |")
 
     lines += ["", "#### Speed: speculative vs plain decoding of the same target", "",
-              "| variant | bench | T | g | prompts | new tokens | tau | tok/s spec | tok/s AR "
-              "| speedup | draft ms/step | verify ms/step | lossless |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| variant | bench | T | g | tree M/N | prompts | new tokens | tau | tok/s spec "
+              "| tok/s AR | speedup | draft ms/step | verify ms/step | lossless |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, rows in results.items():
         for r in rows:
             lines.append(
                 f"| {name} | {r.bench} | {r.temperature:g} | {r.num_draft_tokens} | "
+                f"{'chain' if r.tree_paths <= 1 else f'{r.tree_paths}/{r.tree_nodes}'} | "
                 f"{r.num_prompts} | {r.new_tokens} | {r.tau:.2f} | {r.tokens_per_s_spec:.1f} | "
                 f"{_fmt(r.tokens_per_s_ar, '.1f')} | "
                 f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "

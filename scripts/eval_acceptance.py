@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft-tokens", type=int, default=None,
                         help="drafts verified per round, g (default: block size - 1)")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    parser.add_argument("--tree-paths", type=int, default=1,
+                        help="verify a token tree of the top-M lattice paths per round (1: chain)")
+    parser.add_argument("--tree-nodes", type=int, default=None,
+                        help="nodes of that tree per round (default: tree-paths x g)")
     parser.add_argument("--no-ar", action="store_true",
                         help="skip plain decoding (no speedup, no lossless check)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.target, draft, loaded, args.temperatures,
                 max_new_tokens=args.max_new_tokens,
                 num_draft_tokens=args.num_draft_tokens, measure_ar=not args.no_ar,
-                seed=args.seed, batch_size=args.batch_size, device=args.device)
+                seed=args.seed, batch_size=args.batch_size, device=args.device,
+                tree_paths=args.tree_paths, tree_nodes=args.tree_nodes)
     except (BenchmarkError, CheckpointError, IncompatibleDraftError, GenerationInputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

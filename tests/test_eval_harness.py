@@ -122,6 +122,23 @@ def test_shared_ar_cache_runs_plain_decoding_once(assets) -> None:
 
 
 @pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
+def test_evaluate_runs_a_token_tree_budget_losslessly(assets, results) -> None:
+    """`tree_paths` reaches the engine: the rounds verify trees, the output stays lossless, the
+    budget is recorded and rendered (per-step acceptance vs the chain: test_engine_tree)."""
+    with single_thread():
+        bench = load_benchmark(str(assets["prompts"]), limit=3)
+        tree = evaluate(assets["target"], assets["draft"], [bench], [0.0], max_new_tokens=24,
+                        device="cpu", tree_paths=3)[0]
+        with pytest.raises(BenchmarkError, match="tree budget"):
+            evaluate(assets["target"], assets["draft"], [bench], [0.0], max_new_tokens=4,
+                     device="cpu", tree_paths=0)
+    assert (tree.tree_paths, tree.tree_nodes) == (3, 3 * (BLOCK - 1))
+    assert (results[0].tree_paths, results[0].tree_nodes) == (1, 0)
+    assert tree.lossless is True
+    assert f"| 3/{3 * (BLOCK - 1)} |" in results_markdown({"tree": [tree]})
+
+
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
 def test_eval_acceptance_cli_writes_json_markdown_png(assets, tmp_path: Path) -> None:
     out = tmp_path / "eval"
     proc = subprocess.run(
