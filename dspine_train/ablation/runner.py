@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from ..training.block_stats import BlockResults
 from .variants import Variant
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +39,7 @@ FEATURES_DIR = "features"
 TOKEN_TABLE = "token_table.safetensors"
 REQUEST_FILE = "request.json"
 EVALUATION_FILE = "evaluation.json"
+BLOCKS_FILE = "simulated_blocks.npz"  # per-block results of the simulated evaluation
 RUN_CONFIG = Path("hydra") / "config.yaml"
 
 
@@ -319,6 +321,9 @@ def evaluate_variant(
         "tau": stats.tau, "per_position": stats.position_rates(), "blocks": stats.blocks,
         "wall_s": time.perf_counter() - start,
     }
+    if isinstance(stats, BlockResults):  # per block: SEs, and the records for paired diffs
+        simulated.update(tau_se=stats.tau_se, tau_se_row=stats.tau_se_row)
+        stats.save(settings.run_dir(variant) / BLOCKS_FILE)
     start = time.perf_counter()
     engine = engine_eval(export)
     result = {"request": request, "weights_mtime_ns": weights_stamp, "simulated": simulated,
