@@ -1,8 +1,9 @@
-"""The training study of issue 16: its data, then every variant, resumable (`make study`).
+"""The training study of issue 16: its data, then every variant, in resumable pieces.
 
     python scripts/study.py data                      # prompts, regeneration, token data
     python scripts/study.py run --steps 1500          # every variant; finished ones skipped
-    python scripts/study.py run --variants dspine,dflash --steps 20 --out artifacts/study/smoke
+    python scripts/study.py run --stop-after 1        # one variant per session
+    python scripts/study.py run --smoke               # 2 variants x 20 steps on the demo data
 
 See `dspine_train.ablation.study` (runner) and `dspine_train.ablation.study_data` (data).
 """

@@ -127,6 +127,8 @@ def test_step_time_from_the_training_bar() -> None:
            "[00:09<00:09, 4.50s/it]\n other 9.0s/it\n")
     assert seconds_per_step(log) == pytest.approx(4.5)
     assert seconds_per_step("train: 10/10 [00:02<00:00, 4.00it/s]") == pytest.approx(0.25)
+    assert seconds_per_step("train:  40%|#| 8/20 [02:11<03:21, 16.78s/step, loss=3.7]") == \
+        pytest.approx(16.78)  # the trainer's bar counts steps
     assert seconds_per_step("no bar") is None
 
 

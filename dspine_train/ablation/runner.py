@@ -39,7 +39,8 @@ FEATURES_DIR = "features"
 TOKEN_TABLE = "token_table.safetensors"
 REQUEST_FILE = "request.json"
 EVALUATION_FILE = "evaluation.json"
-BLOCKS_FILE = "simulated_blocks.npz"  # per-block results of the simulated evaluation
+BLOCKS_FILE = "simulated_blocks.npz"
+EVERY_BLOCK = 10**9  # eval.max_blocks that no held-out split reaches: every block  # per-block results of the simulated evaluation
 RUN_CONFIG = Path("hydra") / "config.yaml"
 
 
@@ -120,6 +121,9 @@ class AblationSettings:
             # evaluate once, at the end (the simulated tau of the table); checkpoint at the end
             # and every quarter, so an interrupted variant resumes instead of restarting
             "eval.every=0",
+            # on every held-out block (paired across variants, with SEs: `block_stats`)
+            "eval.every_block=true",
+            f"eval.max_blocks={EVERY_BLOCK}",
             f"checkpoint.every={max(1, self.steps // 4)}",
             "checkpoint.keep_last=1",
             "checkpoint.resume_from=latest",

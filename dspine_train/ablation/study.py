@@ -142,7 +142,7 @@ def check_variant_overrides(settings: StudySettings, variants: Sequence[StudyVar
 
 
 # ------------------------------------------------------------------------- wall-time plan
-TQDM_RATE = re.compile(r"(\d+(?:\.\d+)?)(s/it|it/s)")
+TQDM_RATE = re.compile(r"(\d+(?:\.\d+)?)(s/step|step/s|s/it|it/s)")
 
 
 def seconds_per_step(log_text: str) -> float | None:
@@ -152,7 +152,7 @@ def seconds_per_step(log_text: str) -> float | None:
     if not rates:
         return None
     value, unit = float(rates[-1].group(1)), rates[-1].group(2)
-    return value if unit == "s/it" else 1.0 / max(value, 1e-9)
+    return value if unit.startswith("s/") else 1.0 / max(value, 1e-9)
 
 
 def measure_plan(settings: StudySettings, variants: Sequence[StudyVariant],
@@ -161,7 +161,8 @@ def measure_plan(settings: StudySettings, variants: Sequence[StudyVariant],
     path = settings.out_dir / PLAN_FILE
     plan = json.loads(path.read_text()) if path.is_file() else {}
     for variant in variants:
-        if variant.name in plan or finished(variant) or settings.plan_steps <= 0:
+        measured = plan.get(variant.name, {}).get("s_per_step") is not None
+        if measured or finished(variant) or settings.plan_steps <= 0:
             continue
         run_dir = settings.out_dir / "plan" / variant.name
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -175,8 +176,10 @@ def measure_plan(settings: StudySettings, variants: Sequence[StudyVariant],
                    f"measuring {variant.name}'s step time", echo=False)
         wall = time.perf_counter() - start
         rate = seconds_per_step((run_dir / "train.log").read_text(errors="replace"))
-        plan[variant.name] = {"s_per_step": rate, "steps": settings.plan_steps,
-                              "run_wall_s": wall}
+        # without a bar (a changed trainer), the whole run's wall time is an upper bound
+        source = "training bar" if rate is not None else "run wall time / steps (upper bound)"
+        plan[variant.name] = {"s_per_step": rate or wall / settings.plan_steps,
+                              "from": source, "steps": settings.plan_steps, "run_wall_s": wall}
         path.write_text(json.dumps(plan, indent=2))
     return plan
 
