@@ -97,6 +97,9 @@ def test_finished_variants_are_skipped_and_a_killed_one_resumes(
     ckpt = settings.run_dir(killed) / "checkpoints" / "step_00000008"
     ckpt.mkdir(parents=True)
     (ckpt / "train_state.json").write_text(json.dumps({"step": 8}))
+    plan = {"killed": {"s_per_step": 2.0}, "fresh": {"s_per_step": 1.0}}
+    lines = study.plan_lines(settings, [killed, fresh], plan)
+    assert "4 steps left" in lines[1] and "12 steps left" in lines[2]  # 12 steps, 8 done
     train_with_sessions(settings, killed)
     assert "resuming at step 8" in capsys.readouterr().out
     assert "checkpoint.resume_from=latest" in calls[-1]

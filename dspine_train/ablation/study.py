@@ -196,11 +196,21 @@ def plan_lines(settings: StudySettings, variants: Sequence[StudyVariant],
         if rate is None:
             lines.append(f"  {variant.name:<24} finished or not measured")
             continue
-        hours = rate * settings.steps / 3600
+        remaining = settings.steps - resume_step(settings.run_dir(variant))
+        hours = rate * remaining / 3600
         total += hours
-        lines.append(f"  {variant.name:<24} {rate:6.2f} s/step -> {hours:5.2f} h of training")
+        lines.append(f"  {variant.name:<24} {rate:6.2f} s/step x {remaining} steps left -> "
+                     f"{hours:5.2f} h of training")
     lines.append(f"  total training: {total:.2f} h")
     return lines
+
+
+def resume_step(run_dir: Path) -> int:
+    """The step of the run's latest complete checkpoint (0 when none)."""
+    from ..training.checkpointing import STATE_FILE, complete_checkpoints
+
+    done = complete_checkpoints(run_dir / "checkpoints")
+    return int(json.loads((done[-1] / STATE_FILE).read_text())["step"]) if done else 0
 
 
 # ------------------------------------------------------------------------- one variant
@@ -394,7 +404,7 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
     for line in plan_lines(settings, variants, plan):
         print(f"[study] {line}", flush=True)
     commit, dirty = git_commit(REPO)
-    meta = {"command": settings.command, "commit": commit, "dirty": dirty,
+    meta = {"target": target, "command": settings.command, "commit": commit, "dirty": dirty,
             "machine": machine(), "settings": {k: str(v) for k, v in vars(settings).items()},
             "plan": plan, "data": data_meta(settings), "reference": REFERENCE,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
