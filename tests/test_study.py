@@ -125,6 +125,24 @@ def test_training_wall_time_counts_killed_sessions(tmp_path: Path) -> None:
     assert training_wall_s(run_dir) == pytest.approx(150.0)
 
 
+def test_a_new_session_closes_the_killed_one_at_its_last_metrics_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resumed run rewrites metrics.jsonl, so the killed session's end is taken first."""
+    monkeypatch.setattr(runner, "run_logged", lambda args, *a, **k: (
+        fake_export(Path(next(x for x in args if x.startswith("output_dir="))[11:]))))
+    settings = tiny_settings(tmp_path)
+    variant = StudyVariant("v", "v")
+    run_dir = settings.run_dir(variant)
+    run_dir.mkdir(parents=True)
+    (run_dir / "sessions.json").write_text(json.dumps([{"start": 1000.0, "end": None}]))
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    os.utime(run_dir / "metrics.jsonl", (1300.0, 1300.0))
+    train_with_sessions(settings, variant)
+    sessions = json.loads((run_dir / "sessions.json").read_text())
+    assert sessions[0] == {"start": 1000.0, "end": 1300.0, "killed": True}
+    assert len(sessions) == 2 and sessions[1]["end"] is not None
+
+
 def test_step_time_from_the_training_bar() -> None:
     log = ("loading\rtrain:  25%|##| 1/4 [00:05<00:15, 5.01s/it]\rtrain:  50%|##| 2/4 "
            "[00:09<00:09, 4.50s/it]\n other 9.0s/it\n")

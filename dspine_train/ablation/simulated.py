@@ -45,14 +45,14 @@ def load_run_config(path: Path) -> TrainConfig:
 
 
 @torch.no_grad()
-def simulated_acceptance(draft_dir: Path, config: TrainConfig, *, all_blocks: bool = False,
+def simulated_acceptance(draft_dir: Path, config: TrainConfig, *, max_blocks: int | None = None,
                          ) -> AcceptanceStats | BlockResults | None:
     """`Trainer.evaluate` on the draft exported at `draft_dir`, with `config`'s data and seed.
 
     Returns None when the run has no held-out split (the trainer evaluates nothing then).
     Needs `config.data.offline_features_dir` (the target itself is not loaded). With
-    `eval.every_block` the result is per block (`BlockResults`); `all_blocks` then evaluates
-    every held-out block even when the run's `eval.max_blocks` drew fewer.
+    `eval.every_block` the result is per block (`BlockResults`), on `max_blocks` blocks
+    (None: the run's `eval.max_blocks`; 0: every held-out block; else a fixed uniform draw).
     """
     d = config.data
     eval_path = d.eval_path or d.train_path
@@ -81,7 +81,8 @@ def simulated_acceptance(draft_dir: Path, config: TrainConfig, *, all_blocks: bo
     if config.eval.every_block:
         blocks = every_block_plan(batches.dataset["loss_mask"], d.max_length,
                                   config.eval.batch_size, config.eval.num_anchors,
-                                  None if all_blocks else config.eval.max_blocks, config.seed)
+                                  config.eval.max_blocks if max_blocks is None
+                                  else max_blocks or None, config.seed)
         accepted = simulated_block_accepts(step, batches, blocks, features)
         return BlockResults(blocks.rows, blocks.anchors, accepted.round().long().numpy(),
                             draft.config.block_size)

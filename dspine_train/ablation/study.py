@@ -62,7 +62,9 @@ class StudySettings(AblationSettings):
     Attributes:
         eval_every: optimizer steps between the trainer's evaluations (the learning curves).
         eval_max_blocks: blocks of the periodic evaluation: a fixed uniform draw of the
-            held-out blocks (the final evaluation covers every block).
+            held-out blocks, the same for every variant and step.
+        final_max_blocks: blocks of the final evaluation (0: every held-out block; else a
+            fixed uniform draw of that many, when there are more).
         checkpoint_every: optimizer steps between checkpoints (what a kill loses at most).
         plan_steps: steps of the short run that measures each variant's s/step.
         report_stem: the report's path without suffix (default `<out_dir>/report`).
@@ -70,7 +72,8 @@ class StudySettings(AblationSettings):
     """
 
     eval_every: int = 250
-    eval_max_blocks: int = 8192
+    eval_max_blocks: int = 4096
+    final_max_blocks: int = 16384
     checkpoint_every: int = 250
     plan_steps: int = 4
     report_stem: Path | None = None
@@ -255,6 +258,12 @@ def train_with_sessions(settings: StudySettings, variant: StudyVariant) -> None:
         train_variant(settings, variant)  # checks the request, prints the skip
         return
     sessions = _sessions(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    for session in sessions:
+        if session.get("end") is None:  # killed: it ran until its last metrics line, which
+            # the resumed run is about to rewrite
+            last = metrics.stat().st_mtime if metrics.is_file() else session["start"]
+            session.update(end=max(session["start"], last), killed=True)
     sessions.append({"start": time.time(), "end": None})
     _write_sessions(run_dir, sessions)
     train_variant(settings, variant)
@@ -271,7 +280,7 @@ def evaluate_final(settings: StudySettings, variant: StudyVariant, target: str) 
     export = settings.export_dir(variant)
     config = load_run_config(run_dir / RUN_CONFIG)
     start = time.perf_counter()
-    blocks = simulated_acceptance(export, config, all_blocks=True)
+    blocks = simulated_acceptance(export, config, max_blocks=settings.final_max_blocks)
     if not isinstance(blocks, BlockResults):
         raise StudyError(f"{variant.name}: the run has no held-out split to evaluate "
                          "(data.eval_path / eval_split)")

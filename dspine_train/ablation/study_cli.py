@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="report path without suffix (default docs/results/study_<target>_"
                           "<date>; the smoke run: <out>/report)")
     run.add_argument("--eval-every", type=int, default=250)
-    run.add_argument("--eval-max-blocks", type=int, default=8192)
+    run.add_argument("--eval-max-blocks", type=int, default=4096,
+                     help="held-out blocks of the periodic evaluation (a fixed uniform draw)")
+    run.add_argument("--final-max-blocks", type=int, default=16384,
+                     help="held-out blocks of the final evaluation (0: every block)")
     run.add_argument("--checkpoint-every", type=int, default=250)
     run.add_argument("--plan-steps", type=int, default=4, help="steps timed per variant (0: none)")
     run.add_argument("--engine-prompts", type=int, default=20, help="held-out prompts per "
@@ -139,6 +142,7 @@ def run_command(args: argparse.Namespace) -> int:
         benches=benches, temperatures=[0.0], limit=args.engine_prompts,
         max_new_tokens=args.engine_new_tokens, measure_ar=True, features_override=features,
         eval_every=args.eval_every, eval_max_blocks=args.eval_max_blocks,
+        final_max_blocks=args.final_max_blocks,
         checkpoint_every=args.checkpoint_every, plan_steps=args.plan_steps, report_stem=stem,
         command=shlex.join([sys.executable, "scripts/study.py", *sys.argv[1:]]))
     run_study(settings, variants, target=str(args.target), stop_after=args.stop_after)

@@ -95,6 +95,14 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                          f"(batch {settings.get('regen_batch_size')})")
         for stage, record in ((data.get("meta") or {}).get("stages") or {}).items():
             lines.append(f"  - data stage {stage}: {_hours(record.get('wall_s_total'))}")
+    settings = meta.get("settings") or {}
+    if settings:
+        final = settings.get("final_max_blocks")
+        lines.append(f"- budget: {settings.get('steps')} steps, seed {settings.get('seed')}; "
+                     f"evaluation every {settings.get('eval_every')} steps on a fixed uniform "
+                     f"draw of {settings.get('eval_max_blocks')} held-out blocks; final "
+                     f"evaluation on " + ("every held-out block" if str(final) == "0" else
+                                         f"up to {final} held-out blocks (uniform draw)"))
     lines += ["- tau ± SE over blocks (SE clustered by held-out row in brackets); paired "
               "differences are per block on the same blocks as the reference `dspine`.", ""]
 
@@ -173,7 +181,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     curves.set(xlabel="optimizer step", ylabel="simulated tau (held-out)",
                title="learning curves (± SE clustered by row)")
     positions.set(xlabel="drafted position k", ylabel="share of blocks accepting k",
-                  title="final acceptance per position (every held-out block)")
+                  title="final acceptance per position (final evaluation)")
     for axis in (curves, positions):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
