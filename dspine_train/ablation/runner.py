@@ -411,8 +411,23 @@ def collect_row(
         # the trainer evaluated the source variant's decode, not a derived one's
         "trainer_sim_tau": trainer_tau[-1] if trainer_tau and variant.trained else None,
         "simulated": evaluation["simulated"],
+        "paired_vs_dspine": _paired_vs_dspine(settings, variant),
         "engine": evaluation["engine"],
     }
+
+
+def _paired_vs_dspine(settings: AblationSettings, variant: Variant) -> dict[str, float] | None:
+    """The variant's simulated tau minus `dspine`'s on the same held-out blocks, with SEs."""
+    from ..training.block_stats import paired_difference
+
+    mine = settings.run_dir(variant) / BLOCKS_FILE
+    reference = settings.out_dir / "dspine" / BLOCKS_FILE
+    if variant.name == "dspine" or not (mine.is_file() and reference.is_file()):
+        return None
+    try:
+        return paired_difference(BlockResults.load(mine), BlockResults.load(reference))
+    except ValueError:  # other blocks (another block size): no paired figure
+        return None
 
 
 BUDGET_KEYS = ("steps", "seed", "train_path", "offline_features_dir", "batch_size",
