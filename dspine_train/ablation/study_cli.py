@@ -111,7 +111,7 @@ def run_command(args: argparse.Namespace) -> int:
     """`run`: the study (or its smoke run)."""
     import time
 
-    from .study import StudySettings, compose_train_config, run_study
+    from .study import StudyError, StudySettings, compose_train_config, run_study
     from .study_variants import select_study_variants
 
     data = data_settings(args)
@@ -131,6 +131,9 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         features = args.root / "features"
     config = compose_train_config([*overrides, f"data.offline_features_dir={features}"])
+    if not Path(config.data.train_path).exists():
+        raise StudyError(f"data.train_path {config.data.train_path}: the study data is not "
+                         "ready; run `python scripts/study.py data` first (it resumes)")
     steps = args.steps or default_steps(Path(config.data.train_path), config.data.batch_size)
     benches = ([str(p) for p in data.bench_files().values()] if not args.smoke
                else ["humaneval", "sharegpt"])
