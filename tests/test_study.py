@@ -123,6 +123,10 @@ def test_training_wall_time_counts_killed_sessions(tmp_path: Path) -> None:
     (run_dir / "metrics.jsonl").write_text("{}\n")
     os.utime(run_dir / "metrics.jsonl", (2050.0, 2050.0))  # killed 50 s in
     assert training_wall_s(run_dir) == pytest.approx(150.0)
+    # an open session followed by another counts at most until the next one started
+    sessions = [{"start": 1000.0, "end": None}, {"start": 1040.0, "end": 1100.0}]
+    (run_dir / "sessions.json").write_text(json.dumps(sessions))
+    assert training_wall_s(run_dir) == pytest.approx(100.0)
 
 
 def test_a_new_session_closes_the_killed_one_at_its_last_metrics_line(

@@ -232,9 +232,12 @@ def training_wall_s(run_dir: Path) -> float:
     counts until its metrics file was last written."""
     total = 0.0
     metrics = run_dir / "metrics.jsonl"
-    for session in _sessions(run_dir):
+    sessions = _sessions(run_dir)
+    for index, session in enumerate(sessions):
         end = session.get("end")
-        if end is None and metrics.is_file():
+        if end is None and index + 1 < len(sessions):  # killed, then resumed: at most until
+            end = sessions[index + 1]["start"]  # the next session started
+        elif end is None and metrics.is_file():
             end = max(session["start"], metrics.stat().st_mtime)
         total += (end or session["start"]) - session["start"]
     return total
