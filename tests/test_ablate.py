@@ -177,7 +177,8 @@ def independent_acceptance(out: Path, variant: str) -> tuple[float, float, torch
     """(blocks, accepted, drafted tokens) of the variant's export on the trainer's held-out
     blocks, computed without the evaluation code under test.
 
-    The blocks are the trainer's (its plan and anchor draws); everything else is recomputed:
+    The blocks are every held-out anchor (loss_mask[a] and loss_mask[a+1]), enumerated here
+    row by row (the runner evaluates every block); everything else is recomputed:
     the target's greedy tokens from the full target model (not the offline cache nor the
     draft's bound head), supervision and labels from the raw data, and acceptance by counting
     each block's leading slots where the draft, the target's greedy choice and the data agree.
@@ -188,13 +189,7 @@ def independent_acceptance(out: Path, variant: str) -> tuple[float, float, torch
 
     from dspine_train.ablation.simulated import load_run_config
     from dspine_train.modeling import DSpineDraftModel
-    from dspine_train.objective import sample_anchors
     from dspine_train.training.data import TokenBatches
-    from dspine_train.training.evaluation import (
-        EVAL_SEED_OFFSET,
-        batch_generator,
-        evaluation_plan,
-    )
 
     source = "dspine" if variant == "dspine_no_tcache" else variant
     config = load_run_config(out / source / "hydra" / "config.yaml")
@@ -206,19 +201,21 @@ def independent_acceptance(out: Path, variant: str) -> tuple[float, float, torch
     bk, layer_ids = draft.config.block_size, draft.config.target_layer_ids
     batches = TokenBatches(datasets.load_from_disk(d.train_path)[d.eval_split], d.max_length,
                            draft.config.vocab_size, "eval")
-    plan = evaluation_plan(batches.lengths, e.batch_size, e.num_anchors, e.max_blocks,
-                           config.seed)
+    assert e.every_block and e.max_blocks >= 10**6  # the runner evaluates every block
     blocks = accepted = 0.0
     drafted = []
     with torch.no_grad():
-        for index, rows in enumerate(plan):
-            batch = batches.collate(rows)
+        for row in range(len(batches)):
+            batch = batches.collate([row])
             ids, mask = batch.input_ids, batch.loss_mask
             run = target(ids, attention_mask=batch.attention_mask, output_hidden_states=True)
             greedy = run.logits.argmax(-1)  # greedy[b, p]: the target's choice for token p + 1
             context = torch.cat([run.hidden_states[i + 1] for i in layer_ids], dim=-1)
-            anchors, valid = sample_anchors(
-                mask, e.num_anchors, bk, batch_generator(config.seed + EVAL_SEED_OFFSET, index))
+            every = [a for a in range(ids.shape[1] - 1) if mask[0, a] and mask[0, a + 1]]
+            if not every:
+                continue
+            anchors = torch.tensor([every])
+            valid = torch.ones_like(anchors, dtype=torch.bool)
             fwd = draft(ids, context, anchors, valid)
             n, a = anchors.shape
             walk = draft.walk(fwd.pre_injection.flatten(0, 1), fwd.recv_features.flatten(0, 1),

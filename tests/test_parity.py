@@ -186,3 +186,39 @@ def test_simulated_counts_do_not_depend_on_how_anchors_are_grouped(world):
     together = simulated_accepted(step, features, seq, mask, anchors)
     assert simulated_accepted(step, features, seq, mask, anchors, anchors_per_forward=5) == together
     assert len(together) == len(anchors) and max(together) > 0
+
+
+def test_every_block_evaluation_counts_what_parity_counts(world):
+    """The trainer's every-block evaluation (`every_block_plan` + `simulated_block_accepts`:
+    several right-padded rows per forward, rows split into anchor chunks) counts on every
+    block exactly what the parity check counts row by row, one forward per row."""
+    from types import SimpleNamespace
+
+    from dspine_train.parity import simulated_accepted
+    from dspine_train.training.evaluation import every_block_plan, simulated_block_accepts
+
+    _, step, features = _pair(world)
+    seqs = [row.prompt + row.response for row in world["rows"]]
+    masks = [[0] * len(row.prompt) + [1] * len(row.response) for row in world["rows"]]
+    expected = {}
+    for index, (seq, mask) in enumerate(zip(seqs, masks)):
+        anchors = valid_anchors(mask)
+        counts = simulated_accepted(step, features, seq, mask, anchors)
+        expected.update({(index, a): n for a, n in zip(anchors, counts)})
+
+    def collate(rows):
+        width = max(len(seqs[r]) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        loss = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(seqs[r])] = torch.tensor(seqs[r])
+            loss[i, :len(masks[r])] = torch.tensor(masks[r])
+        batch = SimpleNamespace(rows=torch.tensor(rows), input_ids=ids, loss_mask=loss)
+        batch.to = lambda device: batch
+        return batch
+
+    plan = every_block_plan(masks, 64, batch_size=3, anchors_per_forward=7)
+    accepted = simulated_block_accepts(step, SimpleNamespace(collate=collate), plan,
+                                       lambda batch: features(batch.input_ids))
+    got = {(int(r), int(a)): int(n) for r, a, n in zip(plan.rows, plan.anchors, accepted)}
+    assert got == expected and max(got.values()) > 0

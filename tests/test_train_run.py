@@ -15,6 +15,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from safetensors import safe_open
 
 from dspine_train import DSpineDraftModel
+from dspine_train.training.block_stats import BlockResults
 from dspine_train.training.checkpointing import STATE_FILE, checkpoint_name, complete_checkpoints
 from tests._train_helpers import (
     check_ok,
@@ -117,6 +118,12 @@ def test_evaluation_reports_acceptance_and_keeps_the_best(tiny_run: Path) -> Non
     assert best["tau"] == best_row["eval/tau"] and best["step"] == best_row["step"]
     assert best["acceptance_by_position"] == [best_row[f"eval/accept_pos{k}"]
                                               for k in range(1, BLOCK)]
+    # every held-out block, per block on disk (paired comparisons), with its standard errors
+    final = BlockResults.load(tiny_run / "eval_blocks" / f"step{STEPS:07d}.npz")
+    assert final.tau == pytest.approx(evals[-1]["eval/tau"])
+    assert evals[-1]["eval/blocks"] == final.blocks
+    assert evals[-1]["eval/tau_se"] == pytest.approx(final.tau_se)
+    assert evals[-1]["eval/tau_se_row"] == pytest.approx(final.tau_se_row)
     png = (tiny_run / "training_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

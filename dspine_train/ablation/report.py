@@ -114,8 +114,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         "tau = tokens committed per target verification (accepted drafts + 1 bonus). "
         "*top-1*: the draft's top-1 accuracy on its training blocks (final window). "
-        "*sim. tau* is the trainer's simulated acceptance on the held-out split of the training "
-        "data (greedy, teacher-forced context); the other tau columns are measured by the engine "
+        "*sim. tau* is the trainer's simulated acceptance on every block of the held-out split "
+        "of the training data (greedy, teacher-forced context), ± its SE over blocks; the other tau columns are measured by the engine "
         "on held-out benchmark prompts. Final losses: mean over the logged windows of the last "
         f"{int(FINAL_SHARE * 100)}% of steps; *final loss* sums each variant's own terms, so "
         "compare *backbone CE* across rows.",
@@ -128,14 +128,16 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         losses = row["final_losses"]
         engine = _engine_by_key(row)
         taus = [engine[k]["tau"] for k in keys if k in engine]
-        sim = row["simulated"]["tau"] if row["simulated"] else None
+        sim = _fmt(row["simulated"]["tau"]) if row["simulated"] else "-"
+        if row["simulated"] and row["simulated"].get("tau_se") is not None:
+            sim += f" ± {_fmt(row['simulated']['tau_se'], 3)}"
         trained = "yes" if row["trained"] else f"no ({row['reuse']}'s weights)"
         minutes = _fmt(row["train_wall_s"] / 60, 1) if row["trained"] and row["train_wall_s"] \
             else "-"
         if row["trained"] and row.get("resumed_from_step"):
             minutes += f" (resumed at step {row['resumed_from_step']})"
         cells = [f"`{row['variant']}`", trained, minutes, _fmt(losses.get("loss")),
-                 _fmt(losses.get("backbone_ce")), _fmt(losses.get("top1_acc")), _fmt(sim),
+                 _fmt(losses.get("backbone_ce")), _fmt(losses.get("top1_acc")), sim,
                  *[_fmt(engine[k]["tau"]) if k in engine else "-" for k in keys],
                  _fmt(sum(taus) / len(taus) if taus else None)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -144,6 +146,15 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         switches = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in row["switches"].items())
         lines.append(f"- `{row['variant']}`: {row['description']}"
                      + (f" ({switches})" if switches else ""))
+
+    paired = [row for row in rows if row.get("paired_vs_dspine")]
+    if paired:
+        lines += ["", "Simulated tau minus `dspine`'s, paired on the same held-out blocks "
+                  "(± SE over blocks; clustered by row in brackets):", ""]
+        for row in paired:
+            p = row["paired_vs_dspine"]
+            lines.append(f"- `{row['variant']}`: {p['diff']:+.4f} ± {p['se']:.4f} "
+                         f"({p['se_row']:.4f}) on {p['blocks']} blocks")
 
     lines += ["", "## Per-position acceptance (engine)", "",
               "Share of verifications in which drafted token k was accepted (k = 1, 2, ...).", ""]

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from ..training.block_stats import BlockResults
 from .variants import Variant
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +39,8 @@ FEATURES_DIR = "features"
 TOKEN_TABLE = "token_table.safetensors"
 REQUEST_FILE = "request.json"
 EVALUATION_FILE = "evaluation.json"
+BLOCKS_FILE = "simulated_blocks.npz"
+EVERY_BLOCK = 10**9  # eval.max_blocks that no held-out split reaches: every block  # per-block results of the simulated evaluation
 RUN_CONFIG = Path("hydra") / "config.yaml"
 
 
@@ -118,6 +121,9 @@ class AblationSettings:
             # evaluate once, at the end (the simulated tau of the table); checkpoint at the end
             # and every quarter, so an interrupted variant resumes instead of restarting
             "eval.every=0",
+            # on every held-out block (paired across variants, with SEs: `block_stats`)
+            "eval.every_block=true",
+            f"eval.max_blocks={EVERY_BLOCK}",
             f"checkpoint.every={max(1, self.steps // 4)}",
             "checkpoint.keep_last=1",
             "checkpoint.resume_from=latest",
@@ -319,6 +325,9 @@ def evaluate_variant(
         "tau": stats.tau, "per_position": stats.position_rates(), "blocks": stats.blocks,
         "wall_s": time.perf_counter() - start,
     }
+    if isinstance(stats, BlockResults):  # per block: SEs, and the records for paired diffs
+        simulated.update(tau_se=stats.tau_se, tau_se_row=stats.tau_se_row)
+        stats.save(settings.run_dir(variant) / BLOCKS_FILE)
     start = time.perf_counter()
     engine = engine_eval(export)
     result = {"request": request, "weights_mtime_ns": weights_stamp, "simulated": simulated,
@@ -402,8 +411,23 @@ def collect_row(
         # the trainer evaluated the source variant's decode, not a derived one's
         "trainer_sim_tau": trainer_tau[-1] if trainer_tau and variant.trained else None,
         "simulated": evaluation["simulated"],
+        "paired_vs_dspine": _paired_vs_dspine(settings, variant),
         "engine": evaluation["engine"],
     }
+
+
+def _paired_vs_dspine(settings: AblationSettings, variant: Variant) -> dict[str, float] | None:
+    """The variant's simulated tau minus `dspine`'s on the same held-out blocks, with SEs."""
+    from ..training.block_stats import paired_difference
+
+    mine = settings.run_dir(variant) / BLOCKS_FILE
+    reference = settings.out_dir / "dspine" / BLOCKS_FILE
+    if variant.name == "dspine" or not (mine.is_file() and reference.is_file()):
+        return None
+    try:
+        return paired_difference(BlockResults.load(mine), BlockResults.load(reference))
+    except ValueError:  # other blocks (another block size): no paired figure
+        return None
 
 
 BUDGET_KEYS = ("steps", "seed", "train_path", "offline_features_dir", "batch_size",

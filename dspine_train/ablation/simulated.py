@@ -11,18 +11,22 @@ trainer's own number, which the ablation records as a check.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
 from ..modeling import DSpineDraftModel
+from ..training.block_stats import BlockResults
 from ..training.config import TrainConfig, validate_config
 from ..training.data import TokenBatches, load_token_dataset, split_names
 from ..training.draft_step import DraftStep
 from ..training.evaluation import (
     AcceptanceStats,
     evaluation_plan,
+    every_block_plan,
     simulated_acceptance_counts,
+    simulated_block_accepts,
     stats_from_counts,
 )
 from ..training.offline_features import OfflineFeatures, cache_identity
@@ -41,11 +45,14 @@ def load_run_config(path: Path) -> TrainConfig:
 
 
 @torch.no_grad()
-def simulated_acceptance(draft_dir: Path, config: TrainConfig) -> AcceptanceStats | None:
+def simulated_acceptance(draft_dir: Path, config: TrainConfig, *, max_blocks: int | None = None,
+                         ) -> AcceptanceStats | BlockResults | None:
     """`Trainer.evaluate` on the draft exported at `draft_dir`, with `config`'s data and seed.
 
     Returns None when the run has no held-out split (the trainer evaluates nothing then).
-    Needs `config.data.offline_features_dir` (the target itself is not loaded).
+    Needs `config.data.offline_features_dir` (the target itself is not loaded). With
+    `eval.every_block` the result is per block (`BlockResults`), on `max_blocks` blocks
+    (None: the run's `eval.max_blocks`; 0: every held-out block; else a fixed uniform draw).
     """
     d = config.data
     eval_path = d.eval_path or d.train_path
@@ -67,12 +74,22 @@ def simulated_acceptance(draft_dir: Path, config: TrainConfig) -> AcceptanceStat
         cache_identity(config.model.target_path, list(draft.config.target_layer_ids),
                        d.max_length, batches),
     )
+
+    def features(batch: Any) -> Any:  # as the trainer feeds them (the cache's dtype, no cast)
+        return cache.features(batch.rows.tolist(), batch.input_ids.shape[1])
+
+    if config.eval.every_block:
+        blocks = every_block_plan(batches.dataset["loss_mask"], d.max_length,
+                                  config.eval.batch_size, config.eval.num_anchors,
+                                  config.eval.max_blocks if max_blocks is None
+                                  else max_blocks or None, config.seed)
+        accepted = simulated_block_accepts(step, batches, blocks, features)
+        return BlockResults(blocks.rows, blocks.anchors, accepted.round().long().numpy(),
+                            draft.config.block_size)
     plan = evaluation_plan(batches.lengths, config.eval.batch_size, config.eval.num_anchors,
                            config.eval.max_blocks, config.seed)
     total = simulated_acceptance_counts(
-        step, batches, plan,
-        # features as the trainer feeds them (the cache's dtype, no cast)
-        lambda batch: cache.features(batch.rows.tolist(), batch.input_ids.shape[1]),
+        step, batches, plan, features,
         seed=config.seed, num_anchors=config.eval.num_anchors,
         block_size=draft.config.block_size,
     )

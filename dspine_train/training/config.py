@@ -292,12 +292,19 @@ class EvalConfig:
 
     Attributes:
         every: optimizer steps between evaluations (0: only at the end).
+        every_block: evaluate every block the trainer may draw in the held-out split, each
+            once (when there are more than `max_blocks`, a fixed uniform draw of `max_blocks`
+            of them), and report tau's standard error over blocks and clustered by row, and
+            write the per-block results (`<output_dir>/eval_blocks/`) for paired comparisons.
+            False: the older plan of up to `num_anchors` random anchors per row in
+            length-grouped batches up to `max_blocks` (short rows weigh more).
         max_blocks: blocks evaluated per evaluation (all processes together).
-        num_anchors: blocks sampled per eval sequence.
+        num_anchors: blocks per eval sequence (every_block: blocks of a row per forward).
         batch_size: eval sequences per forward per process.
     """
 
     every: int = 1000
+    every_block: bool = True
     max_blocks: int = 4096
     num_anchors: int = 64
     batch_size: int = 1

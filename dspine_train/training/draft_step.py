@@ -38,12 +38,16 @@ class DraftStep(nn.Module):
         replace_mask: torch.Tensor | None = None,
         step: int = 0,
         total_steps: int = 1,
-        evaluate: bool = False,
+        evaluate: bool | str = False,
         eval_chunks: int = 0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | torch.Tensor:
         """input_ids, loss_mask (B, S); context (B, S, n*H); final_hidden (B, S, H);
         anchors, anchor_mask, replace_mask (B, A). `eval_chunks`: decode chunks every process
-        runs in evaluation (see `_acceptance_counts`)."""
+        runs in evaluation (see `_acceptance_counts`). `evaluate="blocks"` returns the
+        per-block flags of `accepted_prefixes` instead of their sums."""
+        if evaluate == "blocks":  # through forward, so ZeRO-3 gathers the parameters
+            return self.accepted_prefixes(input_ids, context, final_hidden, loss_mask, anchors,
+                                          anchor_mask, eval_chunks)
         if evaluate:
             return self._acceptance_counts(input_ids, context, final_hidden, loss_mask,
                                            anchors, anchor_mask, eval_chunks)

@@ -144,3 +144,101 @@ def simulated_acceptance_counts(
         ) * float(real)
         total = counts if total is None else total + counts
     return total
+
+
+# ------------------------------------------------------------------ every held-out block
+@dataclass
+class BlockPlan:
+    """A fixed set of held-out blocks and the forwards that evaluate them.
+
+    rows, anchors (N,): block i is anchored at `anchors[i]` of dataset row `rows[i]`, sorted
+    by (row, anchor), each (row, anchor) once. entries: the forwards, each a list of
+    batch elements, each an array of block indices of one row (at most `anchors_per_forward`).
+    """
+
+    rows: np.ndarray
+    anchors: np.ndarray
+    entries: list[list[np.ndarray]]
+
+    @property
+    def blocks(self) -> int:
+        """Number of blocks in the plan."""
+        return int(self.rows.size)
+
+
+def every_block_plan(
+    loss_masks: Sequence[Sequence[int]], max_length: int, batch_size: int,
+    anchors_per_forward: int, max_blocks: int | None = None, seed: int = 0,
+) -> BlockPlan:
+    """Every anchor the trainer may draw in every held-out row (`objective.sample_anchors`:
+    loss_mask[a] and loss_mask[a+1] both 1, rows cut to `max_length`), each once; when there
+    are more than `max_blocks`, a fixed uniform draw of `max_blocks` of them (seeded), so every
+    block is equally likely whatever its row's length. Forwards hold `batch_size` row chunks
+    of at most `anchors_per_forward` blocks, chunks of similar length together."""
+    rows_list, anchors_list = [], []
+    for row, mask in enumerate(loss_masks):
+        m = np.asarray(mask[:max_length], dtype=bool)
+        valid = np.flatnonzero(m[:-1] & m[1:])
+        rows_list.append(np.full(valid.size, row, dtype=np.int64))
+        anchors_list.append(valid.astype(np.int64))
+    rows = np.concatenate(rows_list) if rows_list else np.zeros(0, np.int64)
+    anchors = np.concatenate(anchors_list) if anchors_list else np.zeros(0, np.int64)
+    if max_blocks is not None and rows.size > max_blocks:
+        keep = np.sort(np.random.default_rng([seed, 7]).choice(rows.size, max_blocks,
+                                                               replace=False))
+        rows, anchors = rows[keep], anchors[keep]
+    chunks: list[np.ndarray] = []
+    lengths = {row: min(len(m), max_length) for row, m in enumerate(loss_masks)}
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]]) if rows.size else []
+    bounds = list(starts) + [rows.size]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for c in range(lo, hi, anchors_per_forward):
+            chunks.append(np.arange(c, min(c + anchors_per_forward, hi)))
+    chunks.sort(key=lambda idx: -lengths[int(rows[idx[0]])])
+    entries = [chunks[i:i + batch_size] for i in range(0, len(chunks), batch_size)]
+    return BlockPlan(rows, anchors, entries)
+
+
+@torch.no_grad()
+def simulated_block_accepts(
+    step: Callable[..., Any],
+    batches: TokenBatches,
+    plan: BlockPlan,
+    features: Callable[[Batch], Any],
+    *,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    eval_chunks: int = 0,
+) -> torch.Tensor:
+    """Accepted drafts of every block of `plan` this process evaluates, (N,) float, 0 at the
+    others: summed over processes it is every block's count (`block_stats.BlockResults`).
+
+    `step` is the `DraftStep`; process `rank` takes entries rank, rank + world_size, ...; a
+    process past the end repeats an entry counted as nothing, so all make the same calls.
+    """
+    accepted = torch.zeros(plan.blocks, dtype=torch.float32)
+    if not plan.entries:
+        return accepted.to(device)
+    for i in range(math.ceil(len(plan.entries) / world_size)):
+        index = i * world_size + rank
+        real = index < len(plan.entries)
+        entry = plan.entries[index % len(plan.entries)]
+        batch = batches.collate([int(plan.rows[idx[0]]) for idx in entry]).to(device)
+        feats = features(batch)
+        width = max(idx.size for idx in entry)
+        anchors = torch.zeros(len(entry), width, dtype=torch.long)
+        mask = torch.zeros(len(entry), width, dtype=torch.bool)
+        for b, idx in enumerate(entry):
+            anchors[b, :idx.size] = torch.as_tensor(plan.anchors[idx])
+            mask[b, :idx.size] = True
+        prefix = step(
+            batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
+            anchors.to(device), mask.to(device), evaluate="blocks", eval_chunks=eval_chunks,
+        )  # (b * width, Bk-1)
+        if not real:
+            continue
+        counts = prefix.sum(-1).reshape(len(entry), width).float().cpu()
+        for b, idx in enumerate(entry):
+            accepted[torch.as_tensor(idx)] = counts[b, :idx.size]
+    return accepted.to(device)

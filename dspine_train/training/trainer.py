@@ -29,6 +29,7 @@ from ..modeling.attention_masks import default_use_flex, training_attention_path
 from ..modeling.compiled_flex import check_flex_usable
 from ..objective import sample_anchors
 from . import warm_start
+from .block_stats import BlockResults
 from .checkpointing import CheckpointManager, TrainState
 from .config import TrainConfig
 from .curriculum import replacement_mask, replacement_share
@@ -39,9 +40,12 @@ from .draft_step import DraftStep
 from .errors import TrainingError
 from .evaluation import (
     AcceptanceStats,
+    BlockPlan,
     batch_generator,
     evaluation_plan,
+    every_block_plan,
     simulated_acceptance_counts,
+    simulated_block_accepts,
     stats_from_counts,
 )
 from .export import export_draft
@@ -160,8 +164,14 @@ class Trainer:
         if inputs.eval is not None:
             self.eval_batches = TokenBatches(inputs.eval, d.max_length, vocab, "data.eval_path")
             per_batch = cfg.eval.batch_size * cfg.eval.num_anchors
-            self.eval_plan = evaluation_plan(self.eval_batches.lengths, cfg.eval.batch_size,
-                                             cfg.eval.num_anchors, cfg.eval.max_blocks, cfg.seed)
+            if cfg.eval.every_block:
+                self.eval_plan = every_block_plan(
+                    self.eval_batches.dataset["loss_mask"], d.max_length, cfg.eval.batch_size,
+                    cfg.eval.num_anchors, cfg.eval.max_blocks, cfg.seed)
+            else:
+                self.eval_plan = evaluation_plan(self.eval_batches.lengths, cfg.eval.batch_size,
+                                                 cfg.eval.num_anchors, cfg.eval.max_blocks,
+                                                 cfg.seed)
             chunk = max(1, cfg.logits_chunk_size // (self.draft_config.block_size - 1))
             self.eval_chunks = math.ceil(per_batch / chunk)
         self.train_cache = self.eval_cache = None
@@ -266,7 +276,7 @@ class Trainer:
         micro_count, tokens, last_log = 0, 0, time.perf_counter()
         last_log_step = state.step
         self.engine.train()
-        last_stats: AcceptanceStats | None = None
+        last_stats: AcceptanceStats | BlockResults | None = None
         seen: list[int] = []  # global batch indices this process trained on (this session)
         while state.step < self.total_steps:
             p_replace = replacement_share(self.draft_config, state.step, self.total_steps)
@@ -379,10 +389,23 @@ class Trainer:
         return row
 
     @torch.no_grad()
-    def evaluate(self) -> AcceptanceStats:
-        """Simulated acceptance on the eval plan, every process a share (see `evaluation`)."""
+    def evaluate(self) -> AcceptanceStats | BlockResults:
+        """Simulated acceptance on the eval plan, every process a share (see `evaluation`);
+        with `eval.every_block` per block, saved under `<output_dir>/eval_blocks/`."""
         cfg, acc = self.config, self.accelerator
         self.engine.eval()
+        if isinstance(self.eval_plan, BlockPlan):
+            accepted = simulated_block_accepts(
+                self.engine, self.eval_batches, self.eval_plan,
+                lambda batch: self._features(batch, self.eval_cache), device=acc.device,
+                rank=self.rank, world_size=self.world, eval_chunks=self.eval_chunks)
+            accepted = acc.reduce(accepted, "sum").cpu()
+            self.engine.train()
+            results = BlockResults(self.eval_plan.rows, self.eval_plan.anchors,
+                                   accepted.round().long().numpy(), self.draft_config.block_size)
+            if self.is_main:
+                results.save(self.output_dir / "eval_blocks" / f"step{self.state.step:07d}.npz")
+            return results
         total = simulated_acceptance_counts(
             self.engine, self.eval_batches, self.eval_plan,
             lambda batch: self._features(batch, self.eval_cache), seed=cfg.seed,
@@ -394,7 +417,7 @@ class Trainer:
         self.engine.train()
         return stats_from_counts(total.cpu())
 
-    def _export(self, out_dir: Path, stats: AcceptanceStats | None) -> None:
+    def _export(self, out_dir: Path, stats: AcceptanceStats | BlockResults | None) -> None:
         info = {
             "recipe": self.config.name,
             "step": self.state.step,
@@ -403,6 +426,8 @@ class Trainer:
             "tau": stats.tau if stats else None,
             "acceptance_by_position": stats.position_rates() if stats else None,
         }
+        if isinstance(stats, BlockResults):
+            info.update(tau_se=stats.tau_se, tau_se_row=stats.tau_se_row, blocks=stats.blocks)
         export_draft(self.accelerator, self.engine, out_dir, self.token_table_path, info,
                      fmt=self.config.export.format.value)
 

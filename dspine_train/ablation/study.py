@@ -1,0 +1,444 @@
+"""Running the training study (issue 16, section 3) in resumable pieces.
+
+Layout of a study directory `<out>/` (`artifacts/study/run` by default):
+
+    features/                 the target's offline features of the study data, computed once
+    plan.json                 s/step of each variant, measured on a few steps (`plan/<variant>/`)
+    <variant>/                a `train.py` output dir: metrics.jsonl (loss terms, coverage, and
+                              eval/tau with its SEs every `eval_every` steps), eval_blocks/
+                              (per-block results of each evaluation), checkpoints/, final/
+        request.json          the exact `train.py` arguments (a rerun with others is refused)
+        sessions.json         wall time of every training session (a killed one included)
+        result.json           the final evaluation: simulated tau on every held-out block,
+                              engine tau on held-out prompts with the lossless check
+    report.{md,json,png}      rewritten after every finished variant (also `--report-stem`)
+
+A rerun skips finished variants (a `result.json` for the same export), resumes a killed one
+from its last checkpoint (`checkpoint.resume_from=latest`: the trainer's exact resume) and
+appends each finished variant to the report. Nothing here depends on the study's size: the
+smoke run (`scripts/study.py run --smoke`) is the same code on a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..training.block_stats import BlockResults, paired_difference
+from .runner import (
+    REPO,
+    RUN_CONFIG,
+    AblationError,
+    AblationSettings,
+    ensure_features,
+    harness_evaluator,
+    run_logged,
+    train_variant,
+)
+from .study_variants import REFERENCE, StudyVariant
+
+RESULT_FILE = "result.json"
+SESSIONS_FILE = "sessions.json"
+PLAN_FILE = "plan.json"
+BLOCKS_FILE = "simulated_blocks.npz"
+
+
+class StudyError(AblationError):
+    """A stage of the study failed or a variant is misdefined; the message names it."""
+
+
+@dataclass
+class StudySettings(AblationSettings):
+    """What every variant of the study shares (see `AblationSettings` for the rest).
+
+    Attributes:
+        eval_every: optimizer steps between the trainer's evaluations (the learning curves).
+        eval_max_blocks: blocks of the periodic evaluation: a fixed uniform draw of the
+            held-out blocks, the same for every variant and step.
+        final_max_blocks: blocks of the final evaluation (0: every held-out block; else a
+            fixed uniform draw of that many, when there are more).
+        checkpoint_every: optimizer steps between checkpoints (what a kill loses at most).
+        plan_steps: steps of the short run that measures each variant's s/step.
+        report_stem: the report's path without suffix (default `<out_dir>/report`).
+        command: the command line recorded in the report.
+    """
+
+    eval_every: int = 250
+    eval_max_blocks: int = 4096
+    final_max_blocks: int = 16384
+    checkpoint_every: int = 250
+    plan_steps: int = 4
+    report_stem: Path | None = None
+    command: str = ""
+
+    def train_arguments(self, variant: Any) -> list[str]:
+        """The `train.py` arguments of a variant (its overrides come last and win)."""
+        return [
+            *self.shared_overrides(),
+            f"output_dir={self.run_dir(variant)}",
+            # per run: the SpecForge variant's token codes have another width
+            "model.token_table_path=null",
+            f"optim.max_steps={self.steps}",
+            f"eval.every={self.eval_every}",
+            "eval.every_block=true",
+            f"eval.max_blocks={self.eval_max_blocks}",
+            f"checkpoint.every={self.checkpoint_every}",
+            "checkpoint.keep_last=1",
+            "checkpoint.resume_from=latest",
+            "logging.wandb=false",
+            *variant.hydra_overrides(),
+        ]
+
+    @property
+    def report_path(self) -> Path:
+        """Report path without suffix."""
+        return self.report_stem or self.out_dir / "report"
+
+
+# ------------------------------------------------------------------------- variant checks
+def compose_train_config(overrides: Sequence[str]) -> Any:
+    """The typed `TrainConfig` that `train.py <overrides>` would run (composed, not run)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ..training.config import register_configs, to_train_config
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return to_train_config(cfg)
+
+
+def check_variant_overrides(settings: StudySettings, variants: Sequence[StudyVariant]) -> None:
+    """Compose every variant's config and derive its draft config, before anything trains.
+
+    Raises `StudyError` naming the variant and the first problem (an override key the schema
+    lacks, e.g. a setting not merged yet, or a value the draft refuses).
+    """
+    from ..training.inputs import draft_config_for
+    from ..training.target import load_target_config, load_target_tokenizer, used_vocab_size
+
+    problems = []
+    for variant in variants:
+        try:
+            config = compose_train_config(settings.train_arguments(variant))
+            m = config.model
+            target = load_target_config(m.target_path, m.trust_remote_code)
+            used = used_vocab_size(m.target_path, target.vocab_size, m.used_vocab_size)
+            tokenizer = load_target_tokenizer(m.target_path) if used >= target.vocab_size else None
+            draft_config_for(m, target, used, tokenizer)
+        except Exception as err:  # noqa: BLE001 -- any failure is reported by variant name
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            problems.append(f"variant {variant.name} ({' '.join(variant.overrides)}): {first}")
+    if problems:
+        raise StudyError("the study cannot start, fix these variants first:\n  "
+                         + "\n  ".join(problems))
+
+
+# ------------------------------------------------------------------------- wall-time plan
+TQDM_RATE = re.compile(r"(\d+(?:\.\d+)?)(s/step|step/s|s/it|it/s)")
+
+
+def seconds_per_step(log_text: str) -> float | None:
+    """The last rate tqdm printed for the training bar in a `train.py` log, as s/step."""
+    rates = [m for line in log_text.replace("\r", "\n").splitlines() if line.startswith("train")
+             for m in TQDM_RATE.finditer(line)]
+    if not rates:
+        return None
+    value, unit = float(rates[-1].group(1)), rates[-1].group(2)
+    return value if unit.startswith("s/") else 1.0 / max(value, 1e-9)
+
+
+def measure_plan(settings: StudySettings, variants: Sequence[StudyVariant],
+                 finished: Callable[[StudyVariant], bool]) -> dict[str, Any]:
+    """s/step of each unfinished variant from `plan_steps` steps (cached in plan.json)."""
+    path = settings.out_dir / PLAN_FILE
+    plan = json.loads(path.read_text()) if path.is_file() else {}
+    for variant in variants:
+        measured = plan.get(variant.name, {}).get("s_per_step") is not None
+        if measured or finished(variant) or settings.plan_steps <= 0:
+            continue
+        run_dir = settings.out_dir / "plan" / variant.name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        arguments = [a for a in settings.train_arguments(variant)
+                     if not a.startswith(("output_dir=", "checkpoint.resume_from=",
+                                          "eval.max_blocks="))]
+        arguments += [f"output_dir={run_dir}", f"optim.max_steps={settings.plan_steps}",
+                      "eval.max_blocks=8", "checkpoint.every=0"]
+        start = time.perf_counter()
+        run_logged(["train.py", *arguments], run_dir / "train.log",
+                   f"measuring {variant.name}'s step time", echo=False)
+        wall = time.perf_counter() - start
+        rate = seconds_per_step((run_dir / "train.log").read_text(errors="replace"))
+        # without a bar (a changed trainer), the whole run's wall time is an upper bound
+        source = "training bar" if rate is not None else "run wall time / steps (upper bound)"
+        plan[variant.name] = {"s_per_step": rate or wall / settings.plan_steps,
+                              "from": source, "steps": settings.plan_steps, "run_wall_s": wall}
+        path.write_text(json.dumps(plan, indent=2))
+    return plan
+
+
+def plan_lines(settings: StudySettings, variants: Sequence[StudyVariant],
+               plan: dict[str, Any]) -> list[str]:
+    """The wall-time plan printed before training."""
+    lines = [f"wall-time plan: {settings.steps} steps per variant, evaluation every "
+             f"{settings.eval_every} steps on {settings.eval_max_blocks} held-out blocks "
+             "(evaluation and the final engine run come on top)"]
+    total = 0.0
+    for variant in variants:
+        rate = plan.get(variant.name, {}).get("s_per_step")
+        if rate is None:
+            lines.append(f"  {variant.name:<24} finished or not measured")
+            continue
+        remaining = settings.steps - resume_step(settings.run_dir(variant))
+        hours = rate * remaining / 3600
+        total += hours
+        lines.append(f"  {variant.name:<24} {rate:6.2f} s/step x {remaining} steps left -> "
+                     f"{hours:5.2f} h of training")
+    lines.append(f"  total training: {total:.2f} h")
+    return lines
+
+
+def resume_step(run_dir: Path) -> int:
+    """The step of the run's latest complete checkpoint (0 when none)."""
+    from ..training.checkpointing import STATE_FILE, complete_checkpoints
+
+    done = complete_checkpoints(run_dir / "checkpoints")
+    return int(json.loads((done[-1] / STATE_FILE).read_text())["step"]) if done else 0
+
+
+# ------------------------------------------------------------------------- one variant
+def _sessions(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / SESSIONS_FILE
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def _write_sessions(run_dir: Path, sessions: list[dict[str, Any]]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / SESSIONS_FILE).write_text(json.dumps(sessions, indent=2))
+
+
+def training_wall_s(run_dir: Path) -> float:
+    """Wall time of every training session of a run; a killed session (no end recorded)
+    counts until its metrics file was last written."""
+    total = 0.0
+    metrics = run_dir / "metrics.jsonl"
+    sessions = _sessions(run_dir)
+    for index, session in enumerate(sessions):
+        end = session.get("end")
+        if end is None and index + 1 < len(sessions):  # killed, then resumed: at most until
+            end = sessions[index + 1]["start"]  # the next session started
+        elif end is None and metrics.is_file():
+            end = max(session["start"], metrics.stat().st_mtime)
+        total += (end or session["start"]) - session["start"]
+    return total
+
+
+def finished_result(settings: StudySettings, variant: StudyVariant) -> dict[str, Any] | None:
+    """The variant's final result, when it exists for the current export."""
+    path = settings.run_dir(variant) / RESULT_FILE
+    weights = settings.export_dir(variant) / "model.safetensors"
+    if not (path.is_file() and weights.is_file()):
+        return None
+    result = json.loads(path.read_text())
+    return result if result.get("weights_mtime_ns") == weights.stat().st_mtime_ns else None
+
+
+def train_with_sessions(settings: StudySettings, variant: StudyVariant) -> None:
+    """`runner.train_variant` (skip when exported, resume from the last checkpoint), with
+    the session's wall time recorded even when it is killed."""
+    run_dir = settings.run_dir(variant)
+    if (settings.export_dir(variant) / "config.json").is_file():
+        train_variant(settings, variant)  # checks the request, prints the skip
+        return
+    sessions = _sessions(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    for session in sessions:
+        if session.get("end") is None:  # killed: it ran until its last metrics line, which
+            # the resumed run is about to rewrite
+            last = metrics.stat().st_mtime if metrics.is_file() else session["start"]
+            session.update(end=max(session["start"], last), killed=True)
+    sessions.append({"start": time.time(), "end": None})
+    _write_sessions(run_dir, sessions)
+    train_variant(settings, variant)
+    sessions[-1]["end"] = time.time()
+    _write_sessions(run_dir, sessions)
+
+
+def evaluate_final(settings: StudySettings, variant: StudyVariant, target: str) -> dict[str, Any]:
+    """Simulated tau on every held-out block and engine tau on held-out prompts (lossless
+    checked against plain decoding); written to `<variant>/result.json`."""
+    from .simulated import load_run_config, simulated_acceptance
+
+    run_dir = settings.run_dir(variant)
+    export = settings.export_dir(variant)
+    config = load_run_config(run_dir / RUN_CONFIG)
+    start = time.perf_counter()
+    blocks = simulated_acceptance(export, config, max_blocks=settings.final_max_blocks)
+    if not isinstance(blocks, BlockResults):
+        raise StudyError(f"{variant.name}: the run has no held-out split to evaluate "
+                         "(data.eval_path / eval_split)")
+    blocks.save(run_dir / BLOCKS_FILE)
+    simulated_s = time.perf_counter() - start
+    start = time.perf_counter()
+    engine = harness_evaluator(target, settings)(export) if settings.limit > 0 else []
+    result = {
+        "variant": variant.name,
+        "weights_mtime_ns": (export / "model.safetensors").stat().st_mtime_ns,
+        "simulated": blocks.summary() | {"wall_s": simulated_s},
+        "engine": engine,
+        "engine_wall_s": time.perf_counter() - start,
+        "engine_request": settings.evaluation_request(),
+    }
+    (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+# ------------------------------------------------------------------------- records
+def curve(run_dir: Path) -> list[dict[str, Any]]:
+    """The learning curve: each evaluation's metrics, with the training terms logged at or
+    just before that step (loss terms, candidate coverage)."""
+    from ..training.tracking import read_metrics
+
+    history = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() \
+        else []
+    train = [row for row in history if "loss" in row]
+    points = []
+    for row in history:
+        if "eval/tau" not in row:
+            continue
+        before = [t for t in train if t["step"] <= row["step"]]
+        point = {k.removeprefix("eval/"): v for k, v in row.items()}
+        if before:
+            point["train"] = {k: v for k, v in before[-1].items() if k != "step"}
+        points.append(point)
+    return points
+
+
+def paired_by_step(run_dir: Path, reference_dir: Path) -> dict[int, dict[str, float]]:
+    """Paired difference to the reference at every evaluation both ran on the same blocks."""
+    out = {}
+    for path in sorted((run_dir / "eval_blocks").glob("step*.npz")):
+        other = reference_dir / "eval_blocks" / path.name
+        if other.is_file():
+            try:
+                out[int(path.stem[4:])] = paired_difference(BlockResults.load(path),
+                                                            BlockResults.load(other))
+            except ValueError:
+                continue  # other blocks (another block size): not paired
+    return out
+
+
+def variant_record(settings: StudySettings, variant: StudyVariant,
+                   result: dict[str, Any]) -> dict[str, Any]:
+    """Everything the report shows about one finished variant."""
+    from ..training.tracking import read_metrics
+    from .report import final_losses
+    from .simulated import load_run_config
+
+    run_dir = settings.run_dir(variant)
+    config = load_run_config(run_dir / RUN_CONFIG)
+    history = read_metrics(run_dir / "metrics.jsonl")
+    reference = settings.run_dir(StudyVariant(REFERENCE, ""))
+    record: dict[str, Any] = {
+        "variant": variant.name, "description": variant.description,
+        "overrides": list(variant.overrides),
+        "steps": config.optim.max_steps, "seed": config.seed,
+        "batch_size": config.data.batch_size, "block_size": len(result["simulated"]["acceptance_by_position"]) + 1,
+        "train_wall_s": training_wall_s(run_dir), "sessions": len(_sessions(run_dir)),
+        "final_losses": final_losses(history, config.optim.max_steps),
+        "curve": curve(run_dir), "simulated": result["simulated"], "engine": result["engine"],
+    }
+    ref_blocks = reference / BLOCKS_FILE
+    if variant.name != REFERENCE and ref_blocks.is_file():
+        try:
+            record["paired_vs_reference"] = paired_difference(
+                BlockResults.load(run_dir / BLOCKS_FILE), BlockResults.load(ref_blocks))
+        except ValueError as err:
+            record["paired_vs_reference"] = {"error": str(err)}
+        record["paired_curve"] = {str(k): v for k, v in paired_by_step(run_dir, reference).items()}
+    return record
+
+
+def machine() -> dict[str, Any]:
+    """The machine the study ran on, as the report records it."""
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "omp_num_threads":
+            os.environ.get("OMP_NUM_THREADS"), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "platform": platform.platform()}
+
+
+def data_meta(settings: StudySettings) -> dict[str, Any] | None:
+    """The study data's meta.json (settings, regeneration dtype, stage wall times), if any."""
+    from .report import data_summary
+
+    config = compose_train_config(settings.shared_overrides())
+    meta_path = Path(config.data.train_path).parent.parent / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    return {"train_path": config.data.train_path, "splits": data_summary(config.data.train_path),
+            "meta": meta}
+
+
+# ------------------------------------------------------------------------- the study
+def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
+              target: str, stop_after: int | None = None) -> list[Path]:
+    """Every variant in turn: plan, train (skip/resume), final evaluation, report.
+
+    `stop_after`: stop after that many variants were finished in this session (a piece of
+    the study that fits a session); the rest follow on the next run.
+    """
+    from .report import git_commit
+    from .study_report import write_study_report
+
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    check_variant_overrides(settings, variants)
+    ensure_features(settings)
+    plan = measure_plan(settings, variants, lambda v: finished_result(settings, v) is not None)
+    for line in plan_lines(settings, variants, plan):
+        print(f"[study] {line}", flush=True)
+    commit, dirty = git_commit(REPO)
+    meta = {"target": target, "command": settings.command, "commit": commit, "dirty": dirty,
+            "machine": machine(), "settings": {k: str(v) for k, v in vars(settings).items()},
+            "plan": plan, "data": data_meta(settings), "reference": REFERENCE,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    done_now = 0
+    written: list[Path] = []
+    for variant in variants:
+        result = finished_result(settings, variant)
+        if result is None:
+            train_with_sessions(settings, variant)
+            print(f"[study] {variant.name}: final evaluation", flush=True)
+            result = evaluate_final(settings, variant, target)
+            done_now += 1
+        else:
+            print(f"[study] {variant.name}: finished, skipping", flush=True)
+        # the report grows by each finished variant (reference first when it is finished)
+        records = [variant_record(settings, v, r) for v in variants
+                   if (r := finished_result(settings, v)) is not None]
+        written = write_study_report(records, meta, settings.report_path)
+        print(f"[study] report: {settings.report_path}.md ({len(records)} variant(s))",
+              flush=True)
+        if stop_after is not None and done_now >= stop_after:
+            print(f"[study] stopping after {done_now} variant(s) (--stop-after)")
+            break
+    return written
+

@@ -1,0 +1,277 @@
+"""The study's data (issue 16, section 3): prompts, the target's answers, token data, held-out sets.
+
+Layout of a study data directory `<data>/` (`artifacts/study/data` by default):
+
+    prompts/train.jsonl        single-turn training prompts: ShareGPT train part + HumanEval train
+    prompts/heldout.jsonl      single-turn held-out prompts (never trained on), both sources
+    bench/humaneval.jsonl      held-out HumanEval prompts, one `{"id", "messages"}` a line: the
+    bench/sharegpt.jsonl       engine evaluation reads them (`data_prep.benchmarks.load_benchmark`)
+    split.json                 every split setting and the ids of each part
+    regenerated/{train,heldout}/  the target's greedy answers (resumable JSONL shards)
+    tokenized/{train,heldout}/    chat template + loss masks of each part (eval_fraction 0)
+    tokenized/study/           one DatasetDict: `train` = the train part, `eval` = the held-out
+                               part; the trainer and the feature cache read this one
+    meta.json                  settings (dtype of the regeneration included) and wall time of
+                               every stage
+
+Held-out splits: HumanEval holds out `humaneval_heldout_fraction` (0.62: ~100 of 164 tasks) by
+the data pipeline's stable id hash; ShareGPT keeps its data recipe's split (0.01, seed 0). Both
+use the salt `heldout` and seed 0 of `recipes/data/default_target_*.yaml`, and a larger
+fraction holds out a superset, so the demo's builtin benchmarks (HumanEval 0.25) are held out
+here too. Each stage skips itself when done (regeneration resumes row by row).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint_io import write_json_atomic
+
+
+@dataclass
+class StudyDataSettings:
+    """What the study's data is made of.
+
+    Attributes:
+        data_dir: the study data directory (module docstring).
+        target: the target model directory (answers every prompt).
+        sharegpt_train: ShareGPT training prompts (stable subset of the train part).
+        sharegpt_heldout: ShareGPT held-out prompts regenerated (simulated tau, engine eval).
+        humaneval_heldout_fraction: share of the HumanEval tasks held out (all are used).
+        max_prompt_chars: leave out longer prompts (CPU time grows with length).
+        max_new_tokens: tokens the target generates per answer (greedy).
+        regen_dtype: dtype of the target during regeneration; bfloat16 decodes ~6x faster
+            than float32 on an avx512_bf16 CPU (measured 2026-12-02), answers are greedy.
+        regen_batch_size: answers generated together.
+        max_length: tokens per tokenised row (longer rows keep their start).
+        seed: the split seed (the data recipes' 0).
+    """
+
+    data_dir: Path
+    target: Path
+    sharegpt_train: int = 1000
+    sharegpt_heldout: int = 128
+    humaneval_heldout_fraction: float = 0.62
+    max_prompt_chars: int = 1500
+    max_new_tokens: int = 256
+    regen_dtype: str = "bfloat16"
+    regen_batch_size: int = 16
+    max_length: int = 1024
+    seed: int = 0
+
+    def path(self, *parts: str) -> Path:
+        """A path under the data directory."""
+        return self.data_dir.joinpath(*parts)
+
+    @property
+    def train_dataset(self) -> Path:
+        """The DatasetDict the trainer reads (`train` and held-out `eval`)."""
+        return self.path("tokenized", "study")
+
+    def bench_files(self) -> dict[str, Path]:
+        """The held-out prompt files of the engine evaluation, by benchmark name."""
+        return {name: self.path("bench", f"{name}.jsonl") for name in ("humaneval", "sharegpt")}
+
+
+PARTS = ("train", "heldout")
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    from ..checkpoint_io import write_text_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _read_meta(settings: StudyDataSettings) -> dict[str, Any]:
+    try:
+        return json.loads(settings.path("meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_stage(settings: StudyDataSettings, stage: str, record: dict[str, Any]) -> None:
+    """Write a finished stage (with its wall time) into meta.json."""
+    meta = _read_meta(settings)
+    meta["settings"] = {k: str(v) if isinstance(v, Path) else v
+                        for k, v in asdict(settings).items()}
+    meta.setdefault("stages", {})[stage] = record
+    write_json_atomic(settings.path("meta.json"), meta, default=str)
+
+
+def _timed(settings: StudyDataSettings, stage: str,
+           work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run a stage, recording its result and wall time (a resumed stage adds up its runs)."""
+    start = time.time()
+    previous = _read_meta(settings).get("stages", {}).get(stage, {})
+
+    def record(result: dict[str, Any]) -> dict[str, Any]:
+        seconds = round(time.time() - start, 1)
+        result["wall_s"] = seconds
+        result["wall_s_total"] = round(previous.get("wall_s_total", 0.0) + seconds, 1)
+        _record_stage(settings, stage, result)
+        return result
+
+    try:
+        return record(work())
+    except BaseException:  # killed or failed: keep the time spent, the next run resumes
+        record({"incomplete": True})
+        raise
+
+
+def make_prompts(settings: StudyDataSettings) -> dict[str, Any]:
+    """Write prompts/{train,heldout}.jsonl, bench/*.jsonl and split.json (stable, idempotent)."""
+    from data_prep.benchmarks import builtin_source, prompt_chars, prompt_messages
+    from data_prep.config import BuiltinSource, SourceConfig, SourcePart
+    from data_prep.sources import load_source, stable_subset
+
+    sources = {
+        "humaneval": SourceConfig(builtin=BuiltinSource.humaneval, seed=settings.seed,
+                                  heldout_fraction=settings.humaneval_heldout_fraction),
+        "sharegpt": builtin_source("sharegpt"),
+    }
+    counts = {"humaneval": {"train": None, "heldout": None},
+              "sharegpt": {"train": settings.sharegpt_train, "heldout": settings.sharegpt_heldout}}
+    parts: dict[str, list[dict[str, Any]]] = {"train": [], "heldout": []}
+    split: dict[str, Any] = {}
+    for name, base in sources.items():
+        split[name] = {"heldout_fraction": base.heldout_fraction, "split_seed": base.seed,
+                       "split_salt": "heldout", "max_prompt_chars": settings.max_prompt_chars}
+        for part in PARTS:
+            config = SourceConfig(builtin=base.builtin, heldout_fraction=base.heldout_fraction,
+                                  seed=base.seed, part=SourcePart(part))
+            rows = [{"id": r["id"], "messages": prompt_messages(r)}
+                    for r in load_source(config).rows]
+            rows = [r for r in rows if prompt_chars(r["messages"]) <= settings.max_prompt_chars]
+            picked = stable_subset(rows, counts[name][part], settings.seed)  # type: ignore[arg-type]
+            parts[part].extend(picked)
+            split[name][part] = {"eligible": len(rows), "used": len(picked),
+                                 "ids": [r["id"] for r in picked]}
+            if part == "heldout":
+                _write_jsonl(settings.bench_files()[name], picked)
+    train_ids = {r["id"] for r in parts["train"]}
+    leaked = [r["id"] for r in parts["heldout"] if r["id"] in train_ids]
+    if leaked:  # cannot happen with one hash per source; checked because it would void the study
+        raise RuntimeError(f"held-out prompts also in train: {leaked[:5]}")
+    for part in PARTS:
+        _write_jsonl(settings.path("prompts", f"{part}.jsonl"), parts[part])
+    write_json_atomic(settings.path("split.json"), split)
+    return {name: {part: split[name][part]["used"] for part in PARTS} for name in split}
+
+
+def regenerate(settings: StudyDataSettings, part: str) -> dict[str, Any]:
+    """The target answers every prompt of `part` greedily (resumes: done rows are skipped)."""
+    from data_prep.config import (
+        DataConfig,
+        LocalBackendConfig,
+        RegenerateConfig,
+        SamplingConfig,
+        SourceConfig,
+        SourcePart,
+    )
+    from data_prep.regenerate import run_regeneration, summary_line
+
+    data = DataConfig(
+        source=SourceConfig(paths=[str(settings.path("prompts", f"{part}.jsonl"))],
+                            part=SourcePart.all),
+        regenerate=RegenerateConfig(
+            local=LocalBackendConfig(model_path=str(settings.target), dtype=settings.regen_dtype,
+                                     batch_size=settings.regen_batch_size),
+            sampling=SamplingConfig(temperature=0.0, max_new_tokens=settings.max_new_tokens),
+            output_dir=str(settings.path("regenerated", part)), shard_size=64,
+            flush_interval_s=60.0))
+    report = run_regeneration(data)
+    print(summary_line(report), flush=True)
+    if report["pending"] or report["failed"]:
+        raise RuntimeError(f"regeneration of {part} is incomplete: {summary_line(report)}; "
+                           "rerun to resume")
+    return {k: report[k] for k in ("input", "done", "failed", "skipped", "completion_tokens",
+                                   "done_this_run")} | {"dtype": settings.regen_dtype}
+
+
+def tokenize(settings: StudyDataSettings) -> dict[str, Any]:
+    """Tokenise both parts; assemble `tokenized/study` (train part -> `train`, held-out -> `eval`)."""
+    from datasets import DatasetDict, load_from_disk
+    from transformers import AutoTokenizer
+
+    from data_prep.shards import shard_paths
+    from data_prep.tokenize import MARKER, REPORT_FILE, SPLITS_FILE, TOOL, tokenize_files
+    from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
+    from dspine_train.owned_dir import write_marker
+
+    tokenizer = AutoTokenizer.from_pretrained(str(settings.target))
+    reports = {}
+    for part in PARTS:
+        reports[part] = tokenize_files(shard_paths(settings.path("regenerated", part)), tokenizer,
+                                       settings.path("tokenized", part),
+                                       max_length=settings.max_length, eval_fraction=0.0,
+                                       seed=settings.seed)
+    study = settings.train_dataset
+    clean_dead_builds(study)
+    build = build_dir(study)
+    try:
+        DatasetDict({
+            "train": load_from_disk(str(settings.path("tokenized", "train")))["train"],
+            "eval": load_from_disk(str(settings.path("tokenized", "heldout")))["train"],
+        }).save_to_disk(str(build))
+        ids = {split: json.loads(settings.path("tokenized", part, SPLITS_FILE).read_text())["train"]
+               for split, part in (("train", "train"), ("eval", "heldout"))}
+        (build / SPLITS_FILE).write_text(json.dumps(ids) + "\n")
+        # the trainer copies the chat-template record of this report into the export
+        report = dict(reports["train"], eval_rows=reports["heldout"]["train_rows"],
+                      heldout_report=reports["heldout"])
+        (build / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write_marker(build, MARKER, TOOL)
+        replace_dir(build, study)
+    finally:
+        import shutil
+
+        shutil.rmtree(build, ignore_errors=True)
+    return {part: {k: reports[part][k] for k in ("kept", "dropped", "tokens", "supervised_tokens")}
+            for part in PARTS}
+
+
+def prepare(settings: StudyDataSettings, *, stages: tuple[str, ...] = ("prompts", "regenerate",
+                                                                        "tokenize")) -> None:
+    """Run the data stages in order; each is skipped when meta.json records it as done."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    done = {name for name, record in _read_meta(settings).get("stages", {}).items()
+            if not record.get("incomplete")}
+    if "prompts" in stages and "prompts" not in done:
+        print("study data: prompts", _timed(settings, "prompts", lambda: make_prompts(settings)),
+              flush=True)
+    if "regenerate" in stages:
+        for part in ("heldout", "train"):  # held-out first: the evaluation needs it soonest
+            stage = f"regenerate_{part}"
+            if stage not in done:
+                result = _timed(settings, stage, lambda p=part: regenerate(settings, p))
+                print(f"study data: {stage}", result, flush=True)
+    if "tokenize" in stages and "tokenize" not in done:
+        print("study data: tokenize", _timed(settings, "tokenize", lambda: tokenize(settings)),
+              flush=True)
+
+
+def cache_features(settings: StudyDataSettings, overrides: list[str], features_dir: Path) -> None:
+    """The target's features of the study data, once (`python -m data_prep.cache_features`
+    with the study's shared `train.py` overrides); skipped when the cache is complete."""
+    from .runner import run_logged
+
+    if (features_dir / "train" / "index.json").is_file() and \
+            (features_dir / "eval" / "index.json").is_file():
+        print(f"study data: features exist in {features_dir}, skipping", flush=True)
+        return
+
+    def work() -> dict[str, Any]:
+        run_logged(["-m", "data_prep.cache_features", *overrides,
+                    f"data.offline_features_dir={features_dir}",
+                    f"hydra.run.dir={features_dir.parent / '.hydra_cache_features'}"],
+                   features_dir.parent / "cache_features.log", "caching the target features")
+        return {"dir": str(features_dir), "overrides": overrides,
+                "bytes": sum(p.stat().st_size for p in features_dir.rglob("*") if p.is_file())}
+
+    print("study data: features", _timed(settings, "features", work), flush=True)

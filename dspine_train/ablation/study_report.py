@@ -1,0 +1,204 @@
+"""The training study's report: markdown, JSON and a PNG of the learning curves.
+
+Input: one record per finished variant (`study.variant_record`) and a `meta` dict (command,
+commit, machine, plan, data). Every figure with an error carries the standard error over
+blocks and, in brackets, the one clustered by held-out row; differences to the reference
+(`dspine`) are paired on the same blocks (`training.block_stats.paired_difference`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless
+import matplotlib.pyplot as plt  # noqa: E402
+
+# The aim of issue 16: DSpine's held-out simulated tau and its ratio to the DFlash baseline.
+AIM_TAU = 1.6
+AIM_RATIO = 1.25
+
+
+def _f(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _hours(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:.2f} h"
+
+
+def engine_summary(engine: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Greedy engine figures per benchmark: tau, prompts, tokens and the lossless check."""
+    out = {}
+    for row in engine:
+        if row.get("temperature", 0.0) != 0.0:
+            continue
+        out[row.get("bench", "?")] = {k: row.get(k) for k in (
+            "tau", "num_prompts", "new_tokens", "lossless", "speedup", "tokens_per_s_spec")}
+    return out
+
+
+def _outside(paired: dict[str, Any]) -> str:
+    """Whether a paired difference lies outside one clustered standard error."""
+    se = paired.get("se_row")
+    if se is None or (isinstance(se, float) and math.isnan(se)):
+        se = paired.get("se")
+    if se is None or (isinstance(se, float) and math.isnan(se)):
+        return "-"
+    return "yes" if abs(paired["diff"]) > se else "no"
+
+
+def aim_lines(records: list[dict[str, Any]]) -> list[str]:
+    """Mechanical reading of the aim (tau >= 1.6 and >= 1.25 x DFlash) and of each part."""
+    by = {r["variant"]: r for r in records}
+    lines = []
+    if "dspine" in by:
+        tau = by["dspine"]["simulated"]["tau"]
+        lines.append(f"- DSpine held-out simulated tau {_f(tau)} "
+                     f"({'meets' if tau >= AIM_TAU else 'misses'} the aim of {AIM_TAU}).")
+        if "dflash" in by:
+            ratio = tau / by["dflash"]["simulated"]["tau"]
+            lines.append(f"- DSpine / DFlash = {_f(ratio)} "
+                         f"({'meets' if ratio >= AIM_RATIO else 'misses'} the aim of "
+                         f"{AIM_RATIO}x).")
+    for r in records:
+        paired = r.get("paired_vs_reference")
+        if paired and "diff" in paired:
+            lines.append(f"- {r['variant']} - dspine: {paired['diff']:+.4f} ± "
+                         f"{_f(paired['se'], 4)} ({_f(paired['se_row'], 4)} by row) on "
+                         f"{paired['blocks']} shared blocks; outside one clustered SE: "
+                         f"{_outside(paired)}.")
+    return lines
+
+
+def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The report as markdown: setting, final table, per-position acceptance, curves."""
+    lines = [f"# Training study on {meta.get('target', 'the target')} ({meta.get('date', '')})",
+             "",
+             f"- command: `{meta.get('command', '')}`",
+             f"- commit: `{meta.get('commit', '')}`" + (" (working tree differs)"
+                                                      if meta.get("dirty") else ""),
+             f"- machine: {json.dumps(meta.get('machine', {}))}"]
+    data = meta.get("data") or {}
+    if data:
+        lines.append(f"- data: `{data.get('train_path')}` ({data.get('splits')})")
+        settings = ((data.get("meta") or {}).get("settings") or {})
+        if settings:
+            lines.append(f"- regeneration: greedy, up to {settings.get('max_new_tokens')} new "
+                         f"tokens, target in {settings.get('regen_dtype')} "
+                         f"(batch {settings.get('regen_batch_size')})")
+        for stage, record in ((data.get("meta") or {}).get("stages") or {}).items():
+            lines.append(f"  - data stage {stage}: {_hours(record.get('wall_s_total'))}")
+    settings = meta.get("settings") or {}
+    if settings:
+        final = settings.get("final_max_blocks")
+        lines.append(f"- budget: {settings.get('steps')} steps, seed {settings.get('seed')}; "
+                     f"evaluation every {settings.get('eval_every')} steps on a fixed uniform "
+                     f"draw of {settings.get('eval_max_blocks')} held-out blocks; final "
+                     f"evaluation on " + ("every held-out block" if str(final) == "0" else
+                                         f"up to {final} held-out blocks (uniform draw)"))
+    lines += ["- tau ± SE over blocks (SE clustered by held-out row in brackets); paired "
+              "differences are per block on the same blocks as the reference `dspine`.", ""]
+
+    lines += ["## Final results", "",
+              "| variant | steps | train wall | blocks | simulated tau | vs dspine (paired) "
+              "| outside 1 SE | coverage | loss | engine tau (greedy) | lossless |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        s = r["simulated"]
+        paired = r.get("paired_vs_reference") or {}
+        diff = (f"{paired['diff']:+.4f} ± {_f(paired['se'], 4)} ({_f(paired['se_row'], 4)})"
+                if "diff" in paired else "reference" if r["variant"] == "dspine" else "-")
+        engine = engine_summary(r.get("engine") or [])
+        engine_tau = ", ".join(f"{b} {_f(e['tau'])}" for b, e in engine.items()) or "-"
+        lossless = ("yes" if engine and all(e["lossless"] for e in engine.values())
+                    else "-" if not engine or any(e["lossless"] is None for e in engine.values())
+                    else "NO")
+        losses = r.get("final_losses") or {}
+        lines.append(
+            f"| {r['variant']} | {r['steps']} | {_hours(r.get('train_wall_s'))} | {s['blocks']} "
+            f"| {_f(s['tau'])} ± {_f(s['tau_se'], 4)} ({_f(s['tau_se_row'], 4)}) | {diff} "
+            f"| {_outside(paired) if paired else '-'} | {_f(losses.get('candidate_coverage'))} "
+            f"| {_f(losses.get('loss'))} | {engine_tau} | {lossless} |")
+    lines += ["", "## Acceptance per position (held-out, share of blocks accepting the first k "
+              "drafts)", ""]
+    width = max((len(r["simulated"]["acceptance_by_position"]) for r in records), default=0)
+    lines += ["| variant | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |",
+              "|---|" + "---|" * width]
+    for r in records:
+        rates = r["simulated"]["acceptance_by_position"]
+        lines.append(f"| {r['variant']} | " + " | ".join(_f(x) for x in rates) + " |")
+    lines += ["", "## Learning curves (periodic evaluation on a fixed uniform draw of "
+              "held-out blocks)", "",
+              "| variant | step | tau ± SE (by row) | vs dspine (paired) | coverage (train) "
+              "| loss (train) |", "|---|---|---|---|---|---|"]
+    for r in records:
+        paired_curve = r.get("paired_curve") or {}
+        for p in r.get("curve", []):
+            train = p.get("train") or {}
+            pc = paired_curve.get(str(p["step"]))
+            diff = f"{pc['diff']:+.4f} ± {_f(pc['se_row'], 4)}" if pc else "-"
+            lines.append(f"| {r['variant']} | {p['step']} | {_f(p.get('tau'))} ± "
+                         f"{_f(p.get('tau_se'), 4)} ({_f(p.get('tau_se_row'), 4)}) | {diff} "
+                         f"| {_f(train.get('candidate_coverage'))} | {_f(train.get('loss'))} |")
+    lines += ["", "## What the numbers say", "", *aim_lines(records), "",
+              "Each paired difference is the mean over the same held-out blocks of (variant's "
+              "accepted drafts - dspine's); a part contributes measurably only where that "
+              "difference lies outside its clustered standard error.", ""]
+    plan = meta.get("plan") or {}
+    if plan:
+        lines += ["## Wall-time plan (measured before training)", "",
+                  "| variant | s/step (plan) | train wall | sessions |", "|---|---|---|---|"]
+        by = {r["variant"]: r for r in records}
+        for name, p in plan.items():
+            r = by.get(name, {})
+            lines.append(f"| {name} | {_f(p.get('s_per_step'), 2)} | "
+                         f"{_hours(r.get('train_wall_s'))} | {r.get('sessions', '-')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Learning curves (tau vs step, error bars = clustered SE) and final per-position
+    acceptance, one line per variant."""
+    fig, (curves, positions) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for r in records:
+        points = r.get("curve") or []
+        if points:
+            steps = [p["step"] for p in points]
+            taus = [p.get("tau") for p in points]
+            errors = [p.get("tau_se_row") or p.get("tau_se") or 0.0 for p in points]
+            errors = [0.0 if e is None or math.isnan(e) else e for e in errors]
+            curves.errorbar(steps, taus, yerr=errors, marker="o", capsize=3, label=r["variant"])
+        rates = r["simulated"]["acceptance_by_position"]
+        positions.plot(range(1, len(rates) + 1), rates, marker="o", label=r["variant"])
+    curves.set(xlabel="optimizer step", ylabel="simulated tau (held-out)",
+               title="learning curves (± SE clustered by row)")
+    positions.set(xlabel="drafted position k", ylabel="share of blocks accepting k",
+                  title="final acceptance per position (final evaluation)")
+    for axis in (curves, positions):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_study_report(records: list[dict[str, Any]], meta: dict[str, Any],
+                       stem: Path) -> list[Path]:
+    """Write `<stem>.md`, `<stem>.json` and `<stem>.png`; return their paths."""
+    from ..checkpoint_io import write_text_atomic
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    md, js, png = (stem.with_name(stem.name + suffix) for suffix in (".md", ".json", ".png"))
+    write_text_atomic(md, markdown(records, meta) + "\n")
+    write_text_atomic(js, json.dumps({"meta": meta, "variants": records}, indent=2,
+                                     default=str) + "\n")
+    plot(records, png)
+    return [md, js, png]

@@ -1,0 +1,90 @@
+"""The variants of the training study (issue 16, section 3), as Hydra override lists.
+
+Every variant trains on the same target, data, steps, batch and seed; a variant is the demo
+recipe (`recipes/recipe/qwen2.5_coder_0.5b.yaml`) plus the `train.py` overrides listed here,
+in this one place. An override whose key the training schema does not have fails the study
+before anything trains, naming the variant and the key (`study.check_variant_overrides`), so a
+setting that is not merged yet can never silently train the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StudyVariant:
+    """One row of the study.
+
+    Attributes:
+        name: the row's name (also its output directory).
+        description: what the row measures, in a few words.
+        overrides: `train.py` Hydra overrides on top of the study's shared ones.
+        optional: left out unless asked for by name (`--variants`).
+    """
+
+    name: str
+    description: str
+    overrides: tuple[str, ...] = ()
+    optional: bool = False
+
+    @property
+    def trained(self) -> bool:
+        """Every study variant trains (the ablation runner's interface)."""
+        return True
+
+    def hydra_overrides(self) -> list[str]:
+        """The variant's `train.py` overrides (applied last, so they win)."""
+        return list(self.overrides)
+
+
+# SpecForge's published DSpine settings (`configs/qwen3-8b-dspine.json`): transfer rank 1024,
+# capped here at the target's hidden size (896 for Qwen2.5-0.5B: DSpineConfig refuses more),
+# message 512, K 16, gamma 7, alignment warm-up 146 steps, 3 replacement layers.
+SPECFORGE_PUBLISHED = (
+    "model.transfer_dim=896",
+    "model.message_size=512",
+    "model.candidate_k=16",
+    "model.loss_gamma=7.0",
+    "model.alignment_warmup_steps=146",
+    "model.replacement_layers=3",
+)
+
+# Size of the pruned draft vocabulary (EAGLE-3 / SpecForge use 32k for 150k-token targets).
+PRUNED_VOCAB = 32768
+
+# Order is the report's order; `dspine` is the reference of every paired difference.
+STUDY_VARIANTS: dict[str, StudyVariant] = {
+    v.name: v
+    for v in (
+        StudyVariant("dspine", "DSpine, the demo recipe's settings"),
+        StudyVariant("dspine_specforge", "DSpine with SpecForge's published DSpine settings",
+                     SPECFORGE_PUBLISHED),
+        StudyVariant("dflash", "DFlash baseline: bidirectional block, no injection, per-slot "
+                     "argmax, no DSpine terms", ("model.method=dflash",)),
+        StudyVariant("dspine_no_alignment", "DSpine without the cosine alignment term",
+                     ("model.alignment_weight=0.0",)),
+        StudyVariant("dspine_no_replacement", "DSpine without the replacement curriculum "
+                     "(no layer hears the true predecessor)", ("model.replacement_layers=0",)),
+        StudyVariant("dspine_pruned_vocab", f"DSpine with a pruned {PRUNED_VOCAB}-token draft "
+                     "vocabulary", (f"model.draft_vocab_size={PRUNED_VOCAB}",)),
+        # optional: warm start of the draft layers from target layers (faststep's setting)
+        StudyVariant("dspine_warm_start", "DSpine with its layers warm-started from the target's",
+                     ("model.warm_start_from_target=true",), optional=True),
+    )
+}
+REFERENCE = "dspine"
+
+
+def select_study_variants(names: list[str] | None) -> list[StudyVariant]:
+    """The variants to run, in report order: the given names, or every non-optional one.
+
+    Raises `ValueError` naming an unknown variant and listing the known ones.
+    """
+    if not names:
+        return [v for v in STUDY_VARIANTS.values() if not v.optional]
+    unknown = [n for n in names if n not in STUDY_VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown variant(s) {unknown}; known: "
+                         f"{list(STUDY_VARIANTS)}")
+    return [v for v in STUDY_VARIANTS.values() if v.name in names]

@@ -1,0 +1,137 @@
+"""Acceptance per held-out block, its standard errors, and paired comparisons of two drafts.
+
+The simulated evaluation (`training.evaluation`) yields one number per block: the drafts the
+target accepts there (0..B-1; tau of the block = 1 + that). Blocks of one dataset row are not
+independent (a row the draft finds easy is easy at every anchor), so besides the plain standard
+error of the mean over blocks this reports a per-row clustered one, and two drafts evaluated on
+the very same blocks are compared *paired*: the mean of their per-block differences, whose
+standard error removes the variance the blocks share.
+
+Standard errors, for values x_1..x_N with mean m in clusters g = 1..G (the rows):
+
+    se      = stdev(x) / sqrt(N)                                   (stdev with N - 1)
+    se_row  = sqrt(G / (G - 1) * sum_g (sum_{i in g} (x_i - m))^2) / N
+
+`se_row` is the cluster-robust (sandwich) standard error of a mean with the usual G / (G - 1)
+small-sample factor; with one block per row it equals `se`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def mean_se(values: np.ndarray) -> float:
+    """Standard error of the mean of `values` (sample standard deviation / sqrt(N))."""
+    values = np.asarray(values, dtype=np.float64)
+    n = values.size
+    return float(values.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+
+
+def clustered_se(values: np.ndarray, clusters: np.ndarray) -> float:
+    """Cluster-robust standard error of the mean of `values`, clusters given per value
+    (module docstring); nan with fewer than two clusters."""
+    values = np.asarray(values, dtype=np.float64)
+    clusters = np.asarray(clusters)
+    if values.shape != clusters.shape:
+        raise ValueError(f"values {values.shape} and clusters {clusters.shape} differ in shape")
+    _, index = np.unique(clusters, return_inverse=True)
+    groups = int(index.max()) + 1 if index.size else 0
+    if groups < 2:
+        return float("nan")
+    sums = np.bincount(index, weights=values - values.mean(), minlength=groups)
+    return float(math.sqrt(groups / (groups - 1) * float(np.sum(sums**2))) / values.size)
+
+
+@dataclass
+class BlockResults:
+    """The simulated evaluation of a fixed set of held-out blocks, one entry per block.
+
+    rows: dataset row of each block (the cluster); anchors: its anchor position; accepted:
+    drafts accepted there (0..block_size-1); block_size: the draft's block size.
+    """
+
+    rows: np.ndarray
+    anchors: np.ndarray
+    accepted: np.ndarray
+    block_size: int
+
+    def __post_init__(self) -> None:
+        self.rows = np.asarray(self.rows, dtype=np.int64)
+        self.anchors = np.asarray(self.anchors, dtype=np.int64)
+        self.accepted = np.asarray(self.accepted, dtype=np.int64)
+        if not self.rows.shape == self.anchors.shape == self.accepted.shape:
+            raise ValueError("rows, anchors and accepted must have one entry per block")
+
+    @property
+    def blocks(self) -> int:
+        """Number of blocks."""
+        return int(self.accepted.size)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (accepted + the bonus token)."""
+        return 1.0 + float(self.accepted.mean()) if self.blocks else float("nan")
+
+    @property
+    def tau_se(self) -> float:
+        """Standard error of `tau` over blocks."""
+        return mean_se(self.accepted)
+
+    @property
+    def tau_se_row(self) -> float:
+        """Standard error of `tau` clustered by dataset row."""
+        return clustered_se(self.accepted, self.rows)
+
+    def position_rates(self) -> list[float]:
+        """Share of blocks whose first k drafts were all accepted, k = 1..block_size-1."""
+        if not self.blocks:
+            return [float("nan")] * (self.block_size - 1)
+        return [float((self.accepted >= k).mean()) for k in range(1, self.block_size)]
+
+    def summary(self) -> dict[str, Any]:
+        """The figures a report shows: blocks, rows, tau with both SEs, per-position rates."""
+        return {"blocks": self.blocks, "rows": int(np.unique(self.rows).size), "tau": self.tau,
+                "tau_se": self.tau_se, "tau_se_row": self.tau_se_row,
+                "acceptance_by_position": self.position_rates()}
+
+    def as_metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """Flat metrics for logging: tau, its SEs, blocks and the per-position rates."""
+        out = {f"{prefix}tau": self.tau, f"{prefix}tau_se": self.tau_se,
+               f"{prefix}tau_se_row": self.tau_se_row, f"{prefix}blocks": float(self.blocks)}
+        for k, rate in enumerate(self.position_rates(), start=1):
+            out[f"{prefix}accept_pos{k}"] = rate
+        return out
+
+    def save(self, path: Path) -> None:
+        """Write the per-block records (`.npz`), for paired comparisons later."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(tmp, rows=self.rows, anchors=self.anchors, accepted=self.accepted,
+                            block_size=np.int64(self.block_size))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> BlockResults:
+        """Read records written by `save`."""
+        with np.load(path) as data:
+            return cls(data["rows"], data["anchors"], data["accepted"], int(data["block_size"]))
+
+
+def paired_difference(a: BlockResults, b: BlockResults) -> dict[str, float]:
+    """tau(a) - tau(b) on the same blocks, with its SE over blocks and clustered by row.
+
+    Raises `ValueError` when the two were not evaluated on the same blocks (same rows and
+    anchors, in the same order): an unpaired difference would not be what is reported.
+    """
+    if not (np.array_equal(a.rows, b.rows) and np.array_equal(a.anchors, b.anchors)):
+        raise ValueError(f"paired difference needs the same blocks: {a.blocks} vs {b.blocks} "
+                         "blocks, or other rows/anchors (evaluate both on one plan)")
+    diff = a.accepted.astype(np.float64) - b.accepted.astype(np.float64)
+    return {"diff": float(diff.mean()) if diff.size else float("nan"),
+            "se": mean_se(diff), "se_row": clustered_se(diff, a.rows), "blocks": int(diff.size)}

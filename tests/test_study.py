@@ -1,0 +1,213 @@
+"""The training study's runner (`dspine_train.ablation.study`): variant checks, skip/resume,
+session wall time, the wall-time plan, and the report writer - on tiny configs, no training."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspine_train.ablation import runner, study
+from dspine_train.ablation.study import (
+    StudyError,
+    StudySettings,
+    check_variant_overrides,
+    finished_result,
+    paired_by_step,
+    seconds_per_step,
+    train_with_sessions,
+    training_wall_s,
+)
+from dspine_train.ablation.study_report import write_study_report
+from dspine_train.ablation.study_variants import (
+    STUDY_VARIANTS,
+    StudyVariant,
+    select_study_variants,
+)
+from dspine_train.training.block_stats import BlockResults, paired_difference
+
+
+def tiny_settings(tmp_path: Path, tiny_assets: dict | None = None, **kw) -> StudySettings:
+    overrides = []
+    if tiny_assets is not None:
+        overrides = [f"model.target_path={tiny_assets['target']}",
+                     f"data.train_path={tiny_assets['data']}"]
+    return StudySettings(out_dir=tmp_path / "study", recipe="tiny", steps=12,
+                         overrides=overrides, **kw)
+
+
+def test_a_variant_with_an_unknown_key_fails_by_name_before_training(
+        tiny_assets: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trained = []
+    monkeypatch.setattr(runner, "run_logged", lambda *a, **k: trained.append(a))
+    settings = tiny_settings(tmp_path, tiny_assets)
+    good = StudyVariant("good", "", ("model.alignment_weight=0.0",))
+    bad = StudyVariant("not_merged", "", ("model.draft_vocab_size=64",))
+    check_variant_overrides(settings, [good])  # a real key passes
+    with pytest.raises(StudyError) as err:
+        study.run_study(settings, [good, bad], target=str(tiny_assets["target"]))
+    message = str(err.value)
+    assert "variant not_merged" in message and "model.draft_vocab_size" in message
+    assert "variant good" not in message
+    assert trained == []  # nothing ran: not even the feature cache
+
+
+def test_variants_are_override_lists_in_one_place() -> None:
+    names = [v.name for v in select_study_variants(None)]
+    assert names[0] == "dspine" and "dflash" in names and "dspine_specforge" in names
+    assert "dspine_warm_start" not in names  # optional: only by name
+    assert STUDY_VARIANTS["dflash"].hydra_overrides() == ["model.method=dflash"]
+    with pytest.raises(ValueError, match="unknown variant"):
+        select_study_variants(["nope"])
+
+
+def test_train_arguments_resume_evaluate_and_checkpoint(tmp_path: Path) -> None:
+    settings = tiny_settings(tmp_path, eval_every=250, checkpoint_every=250)
+    args = settings.train_arguments(STUDY_VARIANTS["dflash"])
+    assert "checkpoint.resume_from=latest" in args and "eval.every=250" in args
+    assert "eval.every_block=true" in args and "checkpoint.every=250" in args
+    assert args[-1] == "model.method=dflash"  # the variant's overrides win
+
+
+def fake_export(run_dir: Path) -> None:
+    (run_dir / "final").mkdir(parents=True, exist_ok=True)
+    (run_dir / "final" / "config.json").write_text("{}")
+    (run_dir / "final" / "model.safetensors").write_bytes(b"weights")
+
+
+def test_finished_variants_are_skipped_and_a_killed_one_resumes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    calls: list[list[str]] = []
+
+    def fake_run(args, log_path, what, echo=True):
+        calls.append(list(args))
+        fake_export(Path(next(a for a in args if a.startswith("output_dir="))[11:]))
+
+    monkeypatch.setattr(runner, "run_logged", fake_run)
+    settings = tiny_settings(tmp_path)
+    done, killed, fresh = (StudyVariant(n, n) for n in ("done", "killed", "fresh"))
+    # "done": exported before; "killed": a complete checkpoint at step 8, no export
+    train_with_sessions(settings, done)
+    assert len(calls) == 1
+    train_with_sessions(settings, done)
+    assert len(calls) == 1  # skipped: its export exists
+    ckpt = settings.run_dir(killed) / "checkpoints" / "step_00000008"
+    ckpt.mkdir(parents=True)
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 8}))
+    plan = {"killed": {"s_per_step": 2.0}, "fresh": {"s_per_step": 1.0}}
+    lines = study.plan_lines(settings, [killed, fresh], plan)
+    assert "4 steps left" in lines[1] and "12 steps left" in lines[2]  # 12 steps, 8 done
+    train_with_sessions(settings, killed)
+    assert "resuming at step 8" in capsys.readouterr().out
+    assert "checkpoint.resume_from=latest" in calls[-1]
+    train_with_sessions(settings, fresh)
+    sessions = json.loads((settings.run_dir(fresh) / "sessions.json").read_text())
+    assert len(sessions) == 1 and sessions[0]["end"] >= sessions[0]["start"]
+    # a result counts only for the export it evaluated
+    export = settings.export_dir(done) / "model.safetensors"
+    result = {"weights_mtime_ns": export.stat().st_mtime_ns, "simulated": {}}
+    (settings.run_dir(done) / "result.json").write_text(json.dumps(result))
+    assert finished_result(settings, done) == result
+    os.utime(export, ns=(1, 1))
+    assert finished_result(settings, done) is None
+
+
+def test_training_wall_time_counts_killed_sessions(tmp_path: Path) -> None:
+    run_dir = tmp_path / "v"
+    run_dir.mkdir()
+    sessions = [{"start": 1000.0, "end": 1100.0}, {"start": 2000.0, "end": None}]
+    (run_dir / "sessions.json").write_text(json.dumps(sessions))
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    os.utime(run_dir / "metrics.jsonl", (2050.0, 2050.0))  # killed 50 s in
+    assert training_wall_s(run_dir) == pytest.approx(150.0)
+    # an open session followed by another counts at most until the next one started
+    sessions = [{"start": 1000.0, "end": None}, {"start": 1040.0, "end": 1100.0}]
+    (run_dir / "sessions.json").write_text(json.dumps(sessions))
+    assert training_wall_s(run_dir) == pytest.approx(100.0)
+
+
+def test_a_new_session_closes_the_killed_one_at_its_last_metrics_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resumed run rewrites metrics.jsonl, so the killed session's end is taken first."""
+    monkeypatch.setattr(runner, "run_logged", lambda args, *a, **k: (
+        fake_export(Path(next(x for x in args if x.startswith("output_dir="))[11:]))))
+    settings = tiny_settings(tmp_path)
+    variant = StudyVariant("v", "v")
+    run_dir = settings.run_dir(variant)
+    run_dir.mkdir(parents=True)
+    (run_dir / "sessions.json").write_text(json.dumps([{"start": 1000.0, "end": None}]))
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    os.utime(run_dir / "metrics.jsonl", (1300.0, 1300.0))
+    train_with_sessions(settings, variant)
+    sessions = json.loads((run_dir / "sessions.json").read_text())
+    assert sessions[0] == {"start": 1000.0, "end": 1300.0, "killed": True}
+    assert len(sessions) == 2 and sessions[1]["end"] is not None
+
+
+def test_step_time_from_the_training_bar() -> None:
+    log = ("loading\rtrain:  25%|##| 1/4 [00:05<00:15, 5.01s/it]\rtrain:  50%|##| 2/4 "
+           "[00:09<00:09, 4.50s/it]\n other 9.0s/it\n")
+    assert seconds_per_step(log) == pytest.approx(4.5)
+    assert seconds_per_step("train: 10/10 [00:02<00:00, 4.00it/s]") == pytest.approx(0.25)
+    assert seconds_per_step("train:  40%|#| 8/20 [02:11<03:21, 16.78s/step, loss=3.7]") == \
+        pytest.approx(16.78)  # the trainer's bar counts steps
+    assert seconds_per_step("no bar") is None
+
+
+def blocks(accepted: list[int]) -> BlockResults:
+    return BlockResults(rows=[0, 0, 1, 1, 2, 2], anchors=[1, 2, 1, 2, 1, 2],
+                        accepted=accepted, block_size=4)
+
+
+def record(name: str, result: BlockResults, reference: BlockResults | None) -> dict:
+    rec = {"variant": name, "description": name, "overrides": [], "steps": 12, "seed": 0,
+           "batch_size": 2, "block_size": 4, "train_wall_s": 7200.0, "sessions": 2,
+           "final_losses": {"loss": 2.5, "candidate_coverage": 0.8},
+           "curve": [{"step": 6, "tau": 1.2, "tau_se": 0.1, "tau_se_row": 0.2,
+                      "train": {"loss": 3.0, "candidate_coverage": 0.5}},
+                     {"step": 12, "tau": result.tau, "tau_se": result.tau_se,
+                      "tau_se_row": result.tau_se_row}],
+           "simulated": result.summary(),
+           "engine": [{"bench": "humaneval", "temperature": 0.0, "tau": 1.5, "num_prompts": 20,
+                       "new_tokens": 1280, "lossless": True, "speedup": 1.1,
+                       "tokens_per_s_spec": 9.0}]}
+    if reference is not None:
+        rec["paired_vs_reference"] = paired_difference(result, reference)
+        rec["paired_curve"] = {"12": paired_difference(result, reference)}
+    return rec
+
+
+def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
+    ref, dflash = blocks([3, 2, 1, 2, 0, 1]), blocks([1, 1, 0, 2, 0, 0])
+    records = [record("dspine", ref, None), record("dflash", dflash, ref)]
+    meta = {"command": "python scripts/study.py run", "commit": "abc123", "dirty": False,
+            "machine": {"cpu": "test"}, "date": "2026-12-02",
+            "plan": {"dspine": {"s_per_step": 1.5}, "dflash": {"s_per_step": 1.0}},
+            "data": {"train_path": "data", "splits": "train 10 rows",
+                     "meta": {"settings": {"regen_dtype": "bfloat16", "max_new_tokens": 256,
+                                           "regen_batch_size": 16},
+                              "stages": {"regenerate_train": {"wall_s_total": 3600.0}}}}}
+    paths = write_study_report(records, meta, tmp_path / "docs" / "study_x")
+    assert [p.suffix for p in paths] == [".md", ".json", ".png"]
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+    text = paths[0].read_text()
+    diff = paired_difference(dflash, ref)
+    assert diff["diff"] == pytest.approx(-5 / 6)
+    assert f"{diff['diff']:+.4f} ± {diff['se']:.4f} ({diff['se_row']:.4f})" in text
+    assert "| dspine | 12 | 2.00 h | 6 | 2.500" in text
+    assert "bfloat16" in text and "abc123" in text and "python scripts/study.py run" in text
+    assert "misses the aim of 1.6" not in text and "DSpine / DFlash" in text
+    saved = json.loads(paths[1].read_text())
+    assert [v["variant"] for v in saved["variants"]] == ["dspine", "dflash"]
+
+
+def test_paired_curve_reads_the_same_blocks_at_each_step(tmp_path: Path) -> None:
+    for name, values in (("ref", [3, 2, 1, 2, 0, 1]), ("v", [1, 1, 0, 2, 0, 0])):
+        blocks(values).save(tmp_path / name / "eval_blocks" / "step0000250.npz")
+    blocks([0] * 6).save(tmp_path / "v" / "eval_blocks" / "step0000500.npz")  # no partner
+    paired = paired_by_step(tmp_path / "v", tmp_path / "ref")
+    assert list(paired) == [250]
+    assert paired[250]["diff"] == pytest.approx(np.mean([-2, -1, -1, 0, 0, -1]))
