@@ -38,17 +38,12 @@ class StudyVariant:
         return list(self.overrides)
 
 
-# SpecForge's published DSpine settings (`configs/qwen3-8b-dspine.json`): transfer rank 1024,
-# capped here at the target's hidden size (896 for Qwen2.5-0.5B: DSpineConfig refuses more),
-# message 512, K 16, gamma 7, alignment warm-up 146 steps, 3 replacement layers.
-SPECFORGE_PUBLISHED = (
-    "model.transfer_dim=896",
-    "model.message_size=512",
-    "model.candidate_k=16",
-    "model.loss_gamma=7.0",
-    "model.alignment_warmup_steps=146",
-    "model.replacement_layers=3",
-)
+# SpecForge's published DSpine settings and objective: the `specforge_published` preset
+# (recipes/preset/, from its `configs/qwen3-8b-dspine.json`): transfer rank 1024 capped at the
+# target's hidden size (896 for Qwen2.5-0.5B), message 512, K 16, gamma 7, alignment warm-up
+# 146 steps, 3 replacement layers, refinement over all supervised slots, readouts from the
+# unwhitened directions, Adam betas 0.9/0.999; the draft size stays the recipe's.
+SPECFORGE_PUBLISHED = ("preset=specforge_published",)
 
 # Size of the pruned draft vocabulary (EAGLE-3 / SpecForge use 32k for 150k-token targets).
 PRUNED_VOCAB = 32768
@@ -65,7 +60,7 @@ STUDY_VARIANTS: dict[str, StudyVariant] = {
         StudyVariant("dspine_no_alignment", "DSpine without the cosine alignment term",
                      ("model.alignment_weight=0.0",)),
         StudyVariant("dspine_no_replacement", "DSpine without the replacement curriculum "
-                     "(no layer hears the true predecessor)", ("model.replacement_layers=0",)),
+                     "(no block is replaced: p = 0 throughout)", ("model.replacement_probability=0.0",)),
         StudyVariant("dspine_pruned_vocab", f"DSpine with a pruned {PRUNED_VOCAB}-token draft "
                      "vocabulary", (f"model.draft_vocab_size={PRUNED_VOCAB}",)),
         # optional: warm start of the draft layers from target layers (faststep's setting)
