@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .modeling import DSpineDraftModel, DSpineTrainOutput
+from .vocab_loss import TargetDistribution, backbone_vocab_terms
 
 IGNORE = -100
 
@@ -126,6 +127,28 @@ def _vocab_terms(
     return ce, l1, correct, cand, p_target.gather(-1, cand)
 
 
+def _backbone_terms(
+    draft: DSpineDraftModel,
+    hidden: torch.Tensor,
+    target_hidden: torch.Tensor | None,
+    topk: tuple[torch.Tensor, ...] | None,
+    labels: torch.Tensor,
+    c: float,
+) -> tuple[torch.Tensor, ...]:
+    """`vocab_loss.backbone_vocab_terms` of one chunk; the target's distribution from the
+    cached top-k when given, else projected from its final state (None: no distillation)."""
+    _, head = draft._require_target()
+    target = None
+    if topk is not None and target_hidden is not None:
+        ids, probs, lse = topk
+        target = TargetDistribution(probs.float(), ids.long(), target_hidden, lse[:, 0], head)
+    elif target_hidden is not None:
+        with torch.no_grad():  # the target's head on its own normed state (see _vocab_terms)
+            target = TargetDistribution(torch.softmax(draft.target_logits(target_hidden).float(), -1))
+    return backbone_vocab_terms(draft.norm(hidden), head, labels, c, target,
+                                draft.config.candidate_k)
+
+
 def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp_min(1e-8)
 
@@ -140,11 +163,18 @@ def dspine_loss(
     step: int,
     total_steps: int | None = None,
     chunk_size: int = 1024,
+    target_topk: tuple[torch.Tensor, ...] | None = None,
+    reference: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The SPEC 2.3 objective for one training forward; returns (loss, detached metrics).
 
     target_final_hidden (B, S, H): the target's final normed hidden states; the target's
     distribution for slot k of anchor a is softmax(lm_head(target_final_hidden[a + k - 1])).
+    target_topk: (ids, probs, logsumexp), (B, S, k), (B, S, k), (B, S, 1): that distribution's
+    top-k per position and its log-normaliser as the feature cache stores them (`vocab_loss`);
+    when given, no V x H target projection is made.
+    reference: the backbone terms through autograd and activation checkpointing (two more
+    V x H projections per slot) instead of `vocab_loss`'s gradient-in-forward; same values.
     """
     del total_steps  # the alignment warm-up is in steps; kept for a uniform call signature
     cfg = draft.config
@@ -170,22 +200,30 @@ def dspine_loss(
 
     distill = cfg.distill
     c = cfg.ce_weight if distill else 1.0
-    ces, l1s, corrects, cands, p_cands = [], [], [], [], []
+    if target_topk is not None:
+        target_topk = tuple(t[flat_b, flat_pos] for t in target_topk)
+    mixes, ces, l1s, corrects, cands, p_cands = [], [], [], [], [], []
     for start in range(0, w.numel(), chunk_size):
         sl = slice(start, start + chunk_size)
         t_hidden = target_final_hidden[flat_b[sl], flat_pos[sl]] if distill else None
-        ce, l1, correct, cand, p_cand = checkpoint(
-            _vocab_terms, draft, hidden[sl], t_hidden, labels[sl], cfg.candidate_k,
-            use_reentrant=False,
-        )
-        ces.append(ce), l1s.append(l1), corrects.append(correct)
+        if reference:
+            ce, l1, correct, cand, p_cand = checkpoint(
+                _vocab_terms, draft, hidden[sl], t_hidden, labels[sl], cfg.candidate_k,
+                use_reentrant=False,
+            )
+            mix = c * ce + (1 - c) * l1 if distill else ce
+        else:
+            mix, ce, l1, correct, cand, p_cand = _backbone_terms(
+                draft, hidden[sl], t_hidden, None if target_topk is None
+                else tuple(t[sl] for t in target_topk), labels[sl], c if distill else 1.0)
+        mixes.append(mix), ces.append(ce), l1s.append(l1), corrects.append(correct)
         cands.append(cand), p_cands.append(p_cand)
     ce, l1 = torch.cat(ces), torch.cat(l1s)
     correct, cand, p_cand = torch.cat(corrects), torch.cat(cands), torch.cat(p_cands)
 
     backbone_ce = _weighted_mean(ce, w)
     backbone_l1 = _weighted_mean(l1, w)
-    loss = c * backbone_ce + (1 - c) * backbone_l1 if distill else backbone_ce
+    loss = _weighted_mean(torch.cat(mixes), w)  # c * backbone_ce + (1 - c) * backbone_l1
     metrics: dict[str, torch.Tensor] = {
         "backbone_ce": backbone_ce.detach(),
         "backbone_l1": backbone_l1.detach(),

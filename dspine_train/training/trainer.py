@@ -225,9 +225,19 @@ class Trainer:
     def _features(self, batch: Batch, cache: OfflineFeatures | None) -> TargetFeatures:
         if cache is None:
             return self.extract(batch.input_ids, batch.attention_mask)
-        feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1])
-        device = self.accelerator.device
-        return TargetFeatures(feats.context.to(device), feats.final_hidden.to(device))
+        feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1],
+                               with_topk=self.config.data.target_topk > 0)
+        return feats.to(self.accelerator.device)
+
+    def _target_distribution(self) -> str:
+        """How the distillation target is obtained, for the run's first lines."""
+        k = self.train_cache.target_topk if self.train_cache is not None else 0
+        if k and self.config.data.target_topk > 0:
+            return f"top-{k} + remainder, cached once per token (data.offline_features_dir)"
+        why = "online target" if self.train_cache is None else (
+            "data.target_topk: 0" if k else "the feature cache stores none (made before "
+            "data.target_topk existed, or with 0)")
+        return f"exact, projected through the target's head every step ({why})"
 
     def _anchors(
         self, batch: Batch, generator: torch.Generator, num_anchors: int
@@ -261,6 +271,7 @@ class Trainer:
             print(f"training {cfg.name}: {self.total_steps} steps on {self.world} process(es), "
                   f"ZeRO-{cfg.deepspeed.stage}, {_count(self.step_module):,} draft parameters, "
                   f"online target: {not self.offline}")
+            print(f"target distribution: {self._target_distribution()}")
             # the draft's forward picks its attention by device (`default_use_flex`)
             print(f"draft attention on {acc.device}: "
                   f"{training_attention_path(default_use_flex(acc.device))}")
@@ -286,7 +297,7 @@ class Trainer:
                     loss, metrics = self.engine(
                         batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
                         anchors, anchor_mask, replace, step=state.step,
-                        total_steps=self.total_steps,
+                        total_steps=self.total_steps, target_topk=feats.topk,
                     )
                     self._check_finite(loss, state.step, index)
                     acc.backward(loss)
