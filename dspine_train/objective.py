@@ -136,7 +136,12 @@ def _backbone_terms(
     c: float,
 ) -> tuple[torch.Tensor, ...]:
     """`vocab_loss.backbone_vocab_terms` of one chunk; the target's distribution from the
-    cached top-k when given, else projected from its final state (None: no distillation)."""
+    cached top-k when given, else projected from its final state (None: no distillation).
+
+    With a pruned draft vocabulary the backbone scores its rows only, against the target's
+    distribution restricted to them and renormalised; labels outside it give garbage CE that
+    the caller weighs by zero. Candidates come back as target ids, p_target on them exact.
+    """
     _, head = draft._require_target()
     target = None
     if topk is not None and target_hidden is not None:
@@ -145,8 +150,15 @@ def _backbone_terms(
     elif target_hidden is not None:
         with torch.no_grad():  # the target's head on its own normed state (see _vocab_terms)
             target = TargetDistribution(torch.softmax(draft.target_logits(target_hidden).float(), -1))
-    return backbone_vocab_terms(draft.norm(hidden), head, labels, c, target,
-                                draft.config.candidate_k)
+    rows = draft.draft_token_ids()
+    restricted = None if target is None else target.restricted(rows, draft.target_to_draft)
+    mix, ce, l1, cand = backbone_vocab_terms(
+        draft.norm(hidden), draft.output_head(), draft.target_to_draft(labels).clamp_min(0), c,
+        restricted, draft.config.candidate_k)
+    cand = draft.draft_to_target(cand)
+    correct = (cand[:, 0] == labels).float()
+    p_cand = torch.zeros(cand.shape, device=cand.device) if target is None else target.at(cand)
+    return mix, ce, l1, correct, cand, p_cand
 
 
 def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -200,6 +212,11 @@ def dspine_loss(
 
     distill = cfg.distill
     c = cfg.ce_weight if distill else 1.0
+    # a pruned draft vocabulary trains the backbone on the slots whose label is one of its rows
+    w_backbone = w if cfg.draft_vocab_size is None else w * (draft.target_to_draft(labels) >= 0)
+    if reference and cfg.draft_vocab_size is not None:
+        raise ValueError("dspine_loss(reference=True) scores the full vocabulary; this draft "
+                         f"has draft_vocab_size={cfg.draft_vocab_size}")
     if target_topk is not None:
         target_topk = tuple(t[flat_b, flat_pos] for t in target_topk)
     mixes, ces, l1s, corrects, cands, p_cands = [], [], [], [], [], []
@@ -221,14 +238,16 @@ def dspine_loss(
     ce, l1 = torch.cat(ces), torch.cat(l1s)
     correct, cand, p_cand = torch.cat(corrects), torch.cat(cands), torch.cat(p_cands)
 
-    backbone_ce = _weighted_mean(ce, w)
-    backbone_l1 = _weighted_mean(l1, w)
-    loss = _weighted_mean(torch.cat(mixes), w)  # c * backbone_ce + (1 - c) * backbone_l1
+    backbone_ce = _weighted_mean(ce, w_backbone)
+    backbone_l1 = _weighted_mean(l1, w_backbone)
+    loss = _weighted_mean(torch.cat(mixes), w_backbone)  # c * backbone_ce + (1-c) * backbone_l1
     metrics: dict[str, torch.Tensor] = {
         "backbone_ce": backbone_ce.detach(),
         "backbone_l1": backbone_l1.detach(),
         "top1_acc": _weighted_mean(correct, (w > 0).float()),
     }
+    if cfg.draft_vocab_size is not None:
+        metrics["outside_draft_vocab"] = _weighted_mean((w_backbone == 0).float(), (w > 0).float())
 
     # --- refinement over the candidates, teacher-forced with the true predecessor
     in_cand = cand == labels[:, None]  # (n, K)
@@ -272,10 +291,11 @@ def dspine_loss(
             for start in range(0, w.numel(), chunk_size):
                 sl = slice(start, start + chunk_size)
                 ce_l, *_ = checkpoint(
-                    _vocab_terms, draft, h[sl], None, labels[sl], 1, use_reentrant=False
+                    _vocab_terms, draft, h[sl], None,
+                    draft.target_to_draft(labels[sl]).clamp_min(0), 1, use_reentrant=False
                 )
                 layer_ce.append(ce_l)
-            inter.append(_weighted_mean(torch.cat(layer_ce), w))
+            inter.append(_weighted_mean(torch.cat(layer_ce), w_backbone))
         if inter:
             token_ce = torch.stack(inter).mean()
             loss = loss + token_ce

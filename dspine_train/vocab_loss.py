@@ -23,6 +23,7 @@ The target's distribution comes in one of two forms (`TargetDistribution`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,23 @@ class TargetDistribution:
     states: torch.Tensor | None = None
     logsumexp: torch.Tensor | None = None
     head: torch.Tensor | None = None
+    valid: torch.Tensor | None = None  # (n, k) bool: top-k entries kept by `restricted`
+
+    def restricted(self, rows: torch.Tensor | None,
+                   to_rows: Callable[[torch.Tensor], torch.Tensor]) -> TargetDistribution:
+        """The distribution over a pruned draft vocabulary, renormalised: `rows` (N,) its target
+        ids, `to_rows` maps target ids to row indices (-1 outside). Itself when `rows` is None.
+        A top-k keeps its ids among the rows and assumes its remainder mass lies among them."""
+        if rows is None:
+            return self
+        if self.ids is None:
+            probs = self.probs[:, rows]
+            return TargetDistribution(probs / probs.sum(-1, keepdim=True).clamp_min(1e-12))
+        ids = to_rows(self.ids)
+        valid = ids >= 0
+        probs = self.probs * valid
+        total = probs.sum(-1, keepdim=True) + (1 - self.probs.sum(-1, keepdim=True)).clamp_min(0)
+        return TargetDistribution(probs / total.clamp_min(1e-12), ids.clamp_min(0), valid=valid)
 
     def at(self, token_ids: torch.Tensor) -> torch.Tensor:
         """p_target of `token_ids` (n, K), exact (dense, or rows of the head), else 0 outside
@@ -87,48 +105,55 @@ def target_topk(
 class BackboneVocabTerms(torch.autograd.Function):
     """(normed (n, H), head (V, H), labels (n,), c, target, K) ->
     mix (n,) = c * CE + (1 - c) * L1 (differentiable in `normed`), and detached: CE (n,),
-    L1 (n,), argmax correctness (n,), the top-K candidates (n, K) and p_target on them (n, K).
+    L1 (n,) and the top-K candidates (n, K), best first (`cand[:, 0]` is the argmax).
 
-    Without a target (`target` None) mix is the CE and L1 is zero. The head is frozen: it
-    gets no gradient.
+    `head` holds the rows scored (the target's lm_head, or a pruned draft vocabulary's rows),
+    `labels` and `target` index those rows. Without a target (`target` None) mix is the CE and
+    L1 is zero. The head is frozen: it gets no gradient.
     """
 
     @staticmethod
     def forward(ctx, normed, head, labels, c, target, k):  # noqa: ANN001, ANN205 - autograd API
+        # Every pass over the (n, V) logits costs about as much as the projection itself on a
+        # CPU, so they are few and in place: topk (also the max and the argmax), exp, sum, scale.
         logits = F.linear(normed, head.to(normed.dtype)).float()  # (n, V)
-        correct = (logits.argmax(-1) == labels).float()
-        cand = torch.topk(logits, k, dim=-1).indices  # (n, K)
-        lse = torch.logsumexp(logits, dim=-1)
-        ce = lse - logits.gather(-1, labels[:, None]).squeeze(-1)
-        p = logits.sub_(lse[:, None]).exp_()  # the logits' storage, now p_draft
+        top = torch.topk(logits, k, dim=-1)
+        label_logit = logits.gather(-1, labels[:, None]).squeeze(-1)
+        e = logits.sub_(top.values[:, :1]).exp_()  # the logits' storage: exp(z - max)
         del logits
+        total = e.sum(-1)
+        ce = top.values[:, 0] + total.log() - label_logit
         if target is None:
             l1 = torch.zeros_like(ce)
-            p_cand = torch.zeros(cand.shape, device=cand.device)
-            grad = p
-        else:
-            p_cand = target.at(cand)
-            if target.ids is None:
-                diff = p - target.probs
-                l1 = diff.abs().sum(-1)
-                sign = diff.sign_()
-            else:
-                ids = target.ids.long()
-                p_in = p.gather(-1, ids)
-                outside = (1 - p_in.sum(-1)) - (1 - target.probs.sum(-1)).clamp_min(0)
-                l1 = (p_in - target.probs).abs().sum(-1) + outside.abs()
-                sign = outside.sign()[:, None].expand_as(p).clone()
-                sign.scatter_(-1, ids, (p_in - target.probs).sign())
+            grad = e.div_(total[:, None])  # p
+        elif target.ids is None:
+            p = e.div_(total[:, None])
+            sign = p - target.probs
+            l1 = sign.abs().sum(-1)
+            sign.sign_()
             # dL1/dz = p * (s - <p, s>), s = sign(p - p_target) per vocabulary entry
             sign.sub_((p * sign).sum(-1, keepdim=True)).mul_(p)
             grad = p.mul_(c).add_(sign, alpha=1 - c)
             del sign
+        else:
+            ids, probs = target.ids.long(), target.probs
+            p_in = e.gather(-1, ids) / total[:, None]  # (n, k)
+            if target.valid is not None:
+                p_in = p_in * target.valid
+            outside = (1 - p_in.sum(-1)) - (1 - probs.sum(-1)).clamp_min(0)
+            s_in, s_out = (p_in - probs).sign(), outside.sign()
+            l1 = (p_in - probs).abs().sum(-1) + outside.abs()
+            # s is s_out off the top-k ids, so <p, s> and dL1/dz there need no (n, V) pass:
+            # grad = p * (c + (1 - c)(s - <p, s>)), corrected on the ids by p (1 - c)(s_in - s_out)
+            p_dot_s = s_out * (1 - p_in.sum(-1)) + (p_in * s_in).sum(-1)
+            grad = e.mul_(((c + (1 - c) * (s_out - p_dot_s)) / total)[:, None])
+            grad.scatter_add_(-1, ids, p_in * (1 - c) * (s_in - s_out[:, None]))
         # dCE/dz = p - onehot(label)
         grad.scatter_add_(-1, labels[:, None], torch.full_like(ce[:, None], -c))
         ctx.save_for_backward(grad.to(normed.dtype) @ head.to(normed.dtype))
         mix = c * ce + (1 - c) * l1
-        ctx.mark_non_differentiable(ce, l1, correct, cand, p_cand)
-        return mix, ce, l1, correct, cand, p_cand
+        ctx.mark_non_differentiable(ce, l1, top.indices)
+        return mix, ce, l1, top.indices
 
     @staticmethod
     def backward(ctx, grad_mix, *unused):  # noqa: ANN001, ANN205 - autograd API
@@ -144,5 +169,5 @@ def backbone_vocab_terms(
     target: TargetDistribution | None,
     k: int,
 ) -> tuple[torch.Tensor, ...]:
-    """`BackboneVocabTerms.apply`: (mix, ce, l1, correct, cand, p_cand) of one chunk."""
+    """`BackboneVocabTerms.apply`: (mix, ce, l1, cand) of one chunk."""
     return BackboneVocabTerms.apply(normed, head, labels, c, target, k)

@@ -34,6 +34,7 @@ from .data import Batch, BatchStream, TokenBatches
 from .distributed import build_accelerator, without_zero3_init
 from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
+from .draft_vocab import prune_draft_vocab
 from .errors import TrainingError
 from .evaluation import (
     AcceptanceStats,
@@ -51,6 +52,7 @@ from .target import (
     TargetFeatures,
     embedding_scale,
     load_target,
+    load_target_tokenizer,
     read_embedding_and_head,
     target_head_weights,
 )
@@ -134,6 +136,12 @@ class Trainer:
             acc.wait_for_everyone,
         )
         draft = build_draft(m, inputs.draft_config, table, inputs.target_config, cfg.seed)
+        if draft.config.draft_vocab_size is not None and (
+                not m.init_from or warm_start.dflash_checkpoint(m.init_from) is not None):
+            line = prune_draft_vocab(draft, inputs.train, inputs.eval,
+                                     _tokenizer_or_none(m.target_path))
+            if self.is_main:
+                print(line)
         if self.is_main and warm_start.dflash_checkpoint(m.init_from) is not None:
             print(warm_start.describe(draft.config, m.init_from))
         self.draft_config = draft.config
@@ -406,6 +414,14 @@ class Trainer:
         }
         export_draft(self.accelerator, self.engine, out_dir, self.token_table_path, info,
                      fmt=self.config.export.format.value)
+
+
+def _tokenizer_or_none(path: str):  # noqa: ANN202 - a transformers tokenizer or None
+    """The target's tokenizer when it has one (the template tokens a pruned vocabulary keeps)."""
+    try:
+        return load_target_tokenizer(path)
+    except TrainingError:
+        return None
 
 
 def _count(module: torch.nn.Module) -> int:
