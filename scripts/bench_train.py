@@ -28,6 +28,8 @@ forward + objective + backward + AdamW step:
     fused+topk   ... and the target's top-k distribution as the feature cache stores it
                  (`data.target_topk`; computed here from the cached final states, untimed, when
                  the cache predates it)
+    +pruned      ... with a pruned draft vocabulary (`draft_vocab_size`, `--draft-vocab`),
+                 selected from the recipe's training data; its held-out outside share printed
     +bf16        ... with the draft in bfloat16 (`precision: bf16`)
 
 and prints each path's ratio to `old`, where the time of one step goes (`step_profile`), the
@@ -212,8 +214,11 @@ def main() -> None:
                         help="a Hydra override of the recipe (repeatable)")
     parser.add_argument("--batches", type=int, default=3,
                         help="--recipe: the first N batches of the training stream, cycled")
-    parser.add_argument("--paths", default="old,fused,fused+topk,fused+topk+bf16",
+    parser.add_argument("--paths",
+                        default="old,fused,fused+topk,fused+topk+pruned,fused+topk+bf16",
                         help="--recipe: the step paths compared, comma-separated")
+    parser.add_argument("--draft-vocab", type=int, default=32768,
+                        help="--recipe: draft_vocab_size of the +pruned paths")
     parser.add_argument("--plan", action="store_true",
                         help="--recipe: print the multiply-add split of its shapes, run nothing")
     args = parser.parse_args()

@@ -225,3 +225,29 @@ def test_sampling_with_a_pruned_draft_matches_the_target_distribution(tmp_path):
     assert 1.0 < result.stats.tau < 3.0
     outside = ~torch.isin(tokens, likely[:20])
     assert outside.any()  # tokens outside the draft's vocabulary were sampled (residual)
+
+
+def test_the_trainer_prunes_trains_on_cached_topk_and_exports_the_map(tiny_assets, tmp_path):
+    """The tiny recipe end to end: cache features (with the top-k), train a pruned draft on
+    them, export; the export reloads with its map and the log says what was kept."""
+    from tests._train_helpers import check_ok, run_module, run_train, tiny_overrides
+
+    features = tmp_path / "features"
+    args = tiny_overrides(tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}",
+                          "model.draft_vocab_size=300", "optim.max_steps=3", "eval.every=0",
+                          "checkpoint.every=0", "data.target_topk=32")
+    check_ok(run_module(["-m", "data_prep.cache_features", *args]))
+    assert json.loads((features / "train" / "index.json").read_text())["target_topk"] == 32
+    proc = run_train(args)
+    check_ok(proc)
+    assert "pruned draft vocabulary: 300 of 512 ids" in proc.stdout
+    assert "target distribution: top-32 + remainder, cached once per token" in proc.stdout
+    draft = DSpineDraftModel.from_pretrained(tmp_path / "run" / "final")
+    assert draft.config.draft_vocab_size == 300
+    kept = draft.draft_token_ids()
+    assert kept.numel() == 300 and torch.equal(kept, torch.unique(kept))
+    data = datasets.load_from_disk(str(tiny_assets["data"]))["train"]
+    counts = supervised_token_counts(data, 512)
+    # the most frequent supervised tokens are kept (a few places may go to template tokens)
+    frequent = np.nonzero(counts > np.sort(counts)[::-1][289])[0]
+    assert len(frequent) > 100 and set(frequent.tolist()) <= set(kept.tolist())

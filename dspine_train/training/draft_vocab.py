@@ -17,6 +17,9 @@ import datasets
 import numpy as np
 import torch
 
+from .errors import TrainingError
+from .target import load_target_tokenizer
+
 
 def supervised_token_counts(dataset: datasets.Dataset, vocab_size: int) -> np.ndarray:
     """How often each id appears as a supervised token (`loss_mask` 1): (vocab_size,) int64."""
@@ -26,6 +29,14 @@ def supervised_token_counts(dataset: datasets.Dataset, vocab_size: int) -> np.nd
         mask = table.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
         counts += np.bincount(ids[mask].astype(np.int64), minlength=vocab_size)[:vocab_size]
     return counts
+
+
+def tokenizer_or_none(path: str) -> Any:
+    """The target's tokenizer when it has one (the template tokens a pruned vocabulary keeps)."""
+    try:
+        return load_target_tokenizer(path)
+    except TrainingError:
+        return None
 
 
 def template_token_ids(tokenizer: Any) -> list[int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from ..modeling import DSpineDraftModel
 from ..objective import dspine_loss, sample_anchors
 from ..token_table import TokenTable
 from ..vocab_loss import target_topk
@@ -28,6 +29,7 @@ from .config import TrainConfig, register_configs, to_train_config
 from .data import BatchStream, TokenBatches
 from .draft_builder import build_draft
 from .draft_step import DraftStep
+from .draft_vocab import prune_draft_vocab, tokenizer_or_none
 from .evaluation import batch_generator
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity
@@ -40,18 +42,22 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 @dataclass(frozen=True)
 class StepPath:
-    """One way of making the step: `reference` objective, cached `topk` target, `bf16` draft."""
+    """One way of making the step: `reference` objective, cached `topk` target, `bf16` draft,
+    `pruned` draft vocabulary (`--draft-vocab` ids)."""
 
     reference: bool
     topk: bool
     bf16: bool
+    pruned: bool = False
 
 
 PATHS = {
     "old": StepPath(reference=True, topk=False, bf16=False),
     "fused": StepPath(reference=False, topk=False, bf16=False),
     "fused+topk": StepPath(reference=False, topk=True, bf16=False),
+    "fused+topk+pruned": StepPath(reference=False, topk=True, bf16=False, pruned=True),
     "fused+topk+bf16": StepPath(reference=False, topk=True, bf16=True),
+    "fused+topk+bf16+pruned": StepPath(reference=False, topk=True, bf16=True, pruned=True),
 }
 
 
@@ -97,10 +103,11 @@ def _batches(config: TrainConfig, train, draft, count: int, head: torch.Tensor):
 class _PathStep:
     """One path's draft copy, step module and optimizer; `__call__` runs one full step."""
 
-    def __init__(self, path: StepPath, draft, embed, head, chunk: int, lr: float) -> None:  # noqa: ANN001
+    def __init__(self, path: StepPath, draft, embed, head, chunk: int, lr: float,  # noqa: ANN001
+                 pruned=None) -> None:  # noqa: ANN001
         dtype = torch.bfloat16 if path.bf16 else torch.float32
         self.path = path
-        self.draft = copy.deepcopy(draft).to(dtype)
+        self.draft = copy.deepcopy(pruned if path.pruned else draft).to(dtype)
         self.draft.bind_target(embed.to(dtype), head.to(dtype))
         self.step = DraftStep(self.draft, chunk, reference_vocab_terms=path.reference)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=lr, betas=(0.9, 0.95))
@@ -158,8 +165,17 @@ def run_recipe_bench(args: argparse.Namespace) -> None:
     unknown = [n for n in names if n not in PATHS]
     if unknown:
         raise SystemExit(f"--paths: unknown {unknown}; choose among {list(PATHS)}")
+    pruned, pruned_line = None, None
+    if any(PATHS[name].pruned for name in names):
+        pruned_config = copy.deepcopy(draft.config)
+        pruned_config.draft_vocab_size = args.draft_vocab
+        pruned = DSpineDraftModel(pruned_config)
+        pruned.load_state_dict(draft.state_dict(), strict=False)  # the same weights, + d2t
+        pruned_line = prune_draft_vocab(pruned, inputs.train, inputs.eval,
+                                        tokenizer_or_none(config.model.target_path))
+        print(pruned_line)
     steps = {name: _PathStep(PATHS[name], draft, embed, head, config.logits_chunk_size,
-                             config.optim.lr) for name in names}
+                             config.optim.lr, pruned) for name in names}
     change = _objective_change(draft, items, int(items[0][1].topk_ids.shape[-1]))
     for step in steps.values():  # warm-up: one step of each path
         step(items[0])
@@ -193,7 +209,8 @@ def run_recipe_bench(args: argparse.Namespace) -> None:
     out.write_text(json.dumps({
         "recipe": args.recipe, "overrides": args.set, "iters": args.iters,
         "batches": [item[0].rows.tolist() for item in items], "results": results,
-        "topk_objective_change": change, "machine": platform.platform(),
+        "topk_objective_change": change, "pruned_vocabulary": pruned_line,
+        "machine": platform.platform(),
         "processor": platform.processor(), "torch_threads": torch.get_num_threads(),
         "plan": _plan(config)}, indent=2))
     print(f"wrote {out}")

@@ -34,7 +34,7 @@ from .data import Batch, BatchStream, TokenBatches
 from .distributed import build_accelerator, without_zero3_init
 from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
-from .draft_vocab import prune_draft_vocab
+from .draft_vocab import prune_draft_vocab, tokenizer_or_none
 from .errors import TrainingError
 from .evaluation import (
     AcceptanceStats,
@@ -52,7 +52,6 @@ from .target import (
     TargetFeatures,
     embedding_scale,
     load_target,
-    load_target_tokenizer,
     read_embedding_and_head,
     target_head_weights,
 )
@@ -139,7 +138,7 @@ class Trainer:
         if draft.config.draft_vocab_size is not None and (
                 not m.init_from or warm_start.dflash_checkpoint(m.init_from) is not None):
             line = prune_draft_vocab(draft, inputs.train, inputs.eval,
-                                     _tokenizer_or_none(m.target_path))
+                                     tokenizer_or_none(m.target_path))
             if self.is_main:
                 print(line)
         if self.is_main and warm_start.dflash_checkpoint(m.init_from) is not None:
@@ -414,14 +413,6 @@ class Trainer:
         }
         export_draft(self.accelerator, self.engine, out_dir, self.token_table_path, info,
                      fmt=self.config.export.format.value)
-
-
-def _tokenizer_or_none(path: str):  # noqa: ANN202 - a transformers tokenizer or None
-    """The target's tokenizer when it has one (the template tokens a pruned vocabulary keeps)."""
-    try:
-        return load_target_tokenizer(path)
-    except TrainingError:
-        return None
 
 
 def _count(module: torch.nn.Module) -> int:
