@@ -151,3 +151,28 @@ def test_feature_cache_stores_the_topk_and_reads_it_back(tiny_assets, tmp_path: 
     plain = cache.features(batch.rows.tolist(), batch.input_ids.shape[1], with_topk=False)
     assert plain.topk is None and feats.topk is not None
 
+
+
+def test_bench_recipe_mode_times_the_paths_side_by_side(tiny_assets, tmp_path: Path):
+    """`bench_train.py --recipe`: every path's ratio to the old one and its time split."""
+    from dspine_train.training.step_profile import PARTS
+    from tests._train_helpers import check_ok, run_module, tiny_overrides
+
+    features = tmp_path / "features"
+    args = tiny_overrides(tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}")
+    check_ok(run_module(["-m", "data_prep.cache_features", *args]))
+    out = tmp_path / "bench.json"
+    proc = run_module(["scripts/bench_train.py", "--recipe", "tiny", *[
+        f"--set={a}" for a in args[1:]], "--iters", "2", "--batches", "2", "--draft-vocab",
+        "300", "--paths", "old,fused+topk,fused+topk+pruned", "--out", str(out)])
+    check_ok(proc)
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert list(results) == ["old", "fused+topk", "fused+topk+pruned"]
+    assert results["old"]["ratio_vs_old"] == 1.0
+    for r in results.values():
+        assert r["step_ms"] > 0 and set(r["breakdown_ms"]) == set(PARTS)
+    assert results["old"]["breakdown_ms"]["target distribution"] > 0
+    assert report["topk_objective_change"]["k"] == 512  # the cache's top-1024 of 512 ids
+    assert "pruned draft vocabulary: 300 of 512 ids" in proc.stdout
+    assert "where one step's time goes" in proc.stdout

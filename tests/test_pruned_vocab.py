@@ -251,3 +251,21 @@ def test_the_trainer_prunes_trains_on_cached_topk_and_exports_the_map(tiny_asset
     # the most frequent supervised tokens are kept (a few places may go to template tokens)
     frequent = np.nonzero(counts > np.sort(counts)[::-1][289])[0]
     assert len(frequent) > 100 and set(frequent.tolist()) <= set(kept.tolist())
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("export.format=dflash", "model.draft_vocab_size: a pruned draft exports only with"),
+    ("data.target_topk=-1", "data.target_topk must be >= 0"),
+])
+def test_config_refuses_a_pruned_dflash_export_and_a_negative_topk(override, message):
+    from hydra import compose, initialize_config_dir
+
+    from dspine_train.training.config import ConfigError, register_configs, to_train_config
+    from tests._train_helpers import REPO
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = compose("config", overrides=["recipe=tiny", "model.method=dflash",
+                                           "model.draft_vocab_size=300", override])
+    with pytest.raises(ConfigError, match=message):
+        to_train_config(cfg)

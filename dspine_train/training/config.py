@@ -421,6 +421,12 @@ def validate_config(config: TrainConfig) -> None:
         raise ConfigError(f"deepspeed.stage must be 2 or 3, got {config.deepspeed.stage}")
     if config.export.format == ExportFormat.dflash:
         _check_dflash_export(config.model)
+    if config.model.draft_vocab_size is not None and config.export.format != ExportFormat.dspine:
+        raise ConfigError(  # the other formats carry no draft-to-target id map
+            f"model.draft_vocab_size: a pruned draft exports only with export.format: dspine, "
+            f"not {config.export.format.value}")
+    if config.data.target_topk < 0:
+        raise ConfigError(f"data.target_topk must be >= 0, got {config.data.target_topk}")
     if config.model.target_dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(
             "model.target_dtype must be 'bfloat16', 'float16' or 'float32', "

@@ -86,6 +86,8 @@ def prune_draft_vocab(draft: Any, train: datasets.Dataset, held_out: datasets.Da
     draft.set_draft_vocab(ids)
     where = "held-out" if held_out is not None else "training"
     share = outside_share(held_out if held_out is not None else train, ids, cfg.vocab_size)
+    seen = int((counts > 0).sum())
     return (f"pruned draft vocabulary: {cfg.draft_vocab_size} of {cfg.vocab_size} ids (the most "
-            f"frequent supervised tokens + {len(template_token_ids(tokenizer))} template "
-            f"tokens); {100 * share:.2f}% of the {where} supervised tokens lie outside it")
+            f"frequent of the {seen} distinct supervised training tokens, "
+            f"{len(template_token_ids(tokenizer))} template tokens, then the lowest ids); "
+            f"{100 * share:.2f}% of the {where} supervised tokens lie outside it")

@@ -23,11 +23,10 @@ from hydra import compose, initialize_config_dir
 
 from ..modeling import DSpineDraftModel
 from ..objective import dspine_loss, sample_anchors
-from ..token_table import TokenTable
 from ..vocab_loss import target_topk
 from .config import TrainConfig, register_configs, to_train_config
 from .data import BatchStream, TokenBatches
-from .draft_builder import build_draft
+from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
 from .draft_vocab import prune_draft_vocab, tokenizer_or_none
 from .evaluation import batch_generator
@@ -151,12 +150,15 @@ def run_recipe_bench(args: argparse.Namespace) -> None:
     """Print and write (`args.out`) the side-by-side step times of the recipe's paths."""
     config = compose_recipe(args.recipe, args.set)
     if args.plan:
-        _print_plan(config)
+        _print_plan(config, args.draft_vocab)
         return
     torch.manual_seed(config.seed)
     inputs = check_inputs(config)
     embed, head = read_embedding_and_head(config.model.target_path)
-    table = TokenTable.load(config.model.token_table_path)
+    table_path = Path(config.model.token_table_path
+                      or Path(config.output_dir) / "token_table.safetensors")
+    table = load_or_build_token_table(table_path, head, inputs.draft_config.transfer_dim, True,
+                                      lambda: None)  # as the trainer: built when missing
     draft = build_draft(config.model, inputs.draft_config, table, inputs.target_config,
                         config.seed)
     draft.bind_target(embed, head)
@@ -186,13 +188,12 @@ def run_recipe_bench(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             step(item)
             times[name].append(time.perf_counter() - start)
-    breakdown = {}
-    for name, step in steps.items():
-        profile = StepProfile()
-        with profile.patched(step.draft):
-            for item in items:
-                step(item, profile)
-        breakdown[name] = profile.milliseconds(len(items))
+    profiles = {name: StepProfile() for name in steps}
+    for item in items:  # one profiled step per path and batch, interleaved like the timing
+        for name, step in steps.items():
+            with profiles[name].patched(step.draft):
+                step(item, profiles[name])
+    breakdown = {name: profile.milliseconds(len(items)) for name, profile in profiles.items()}
     # a path's time over the batches: the sum of each batch's best step (least disturbed)
     best = {name: sum(min(ts[j::len(items)]) for j in range(min(len(items), args.iters)))
             for name, ts in times.items()}
@@ -212,7 +213,7 @@ def run_recipe_bench(args: argparse.Namespace) -> None:
         "topk_objective_change": change, "pruned_vocabulary": pruned_line,
         "machine": platform.platform(),
         "processor": platform.processor(), "torch_threads": torch.get_num_threads(),
-        "plan": _plan(config)}, indent=2))
+        "plan": _plan(config, args.draft_vocab)}, indent=2))
     print(f"wrote {out}")
 
 
@@ -228,27 +229,30 @@ def _print_results(config, items, results, base, change, cache) -> None:  # noqa
         print(f"{name:<18} {r['step_ms']:>9.0f} {r['step_ms_median']:>10.0f} "
               f"{r['ratio_vs_' + base]:>9.2f}x")
     print("where one step's time goes (ms, exclusive; mean over the batches):")
-    print(f"  {'part':<30}" + "".join(f"{name:>17}" for name in results))
+    width = 2 + max(len(name) for name in results)
+    print(f"  {'part':<30}" + "".join(f"{name:>{width}}" for name in results))
     for part in PARTS:
-        print(f"  {part:<30}" + "".join(f"{r['breakdown_ms'][part]:>17.0f}"
+        print(f"  {part:<30}" + "".join(f"{r['breakdown_ms'][part]:>{width}.0f}"
                                          for r in results.values()))
     print(f"top-{change['k']} target: objective changes by at most "
           f"{change['max_abs_objective_change']:.2e} (mean remainder mass "
           f"{change['mean_remainder_mass']:.2e} on supervised tokens)")
 
 
-def _plan(config: TrainConfig) -> dict:
-    """The multiply-add split of the recipe's shapes, old path and new (top-k) path."""
+def _plan(config: TrainConfig, draft_vocab: int) -> dict:
+    """The multiply-add split of the recipe's shapes: old path, new (top-k) path, and the new
+    path with a pruned draft vocabulary of `draft_vocab` ids."""
     draft = plan_draft_config(config)
     d = config.data
     shapes = (draft, d.max_length, d.num_anchors, d.batch_size)
-    return {"old": flop_plan(*shapes), "new": flop_plan(*shapes, target_distribution=False,
-                                                         recompute=False)}
+    new = {"target_distribution": False, "recompute": False}
+    return {"old": flop_plan(*shapes), "new": flop_plan(*shapes, **new),
+            f"new, pruned to {draft_vocab}": flop_plan(*shapes, vocab=draft_vocab, **new)}
 
 
-def _print_plan(config: TrainConfig) -> None:
+def _print_plan(config: TrainConfig, draft_vocab: int) -> None:
     d = config.data
-    plan = _plan(config)
+    plan = _plan(config, draft_vocab)
     for name, split in plan.items():
         print(f"{config.name} ({d.batch_size} x {d.max_length} tokens, {d.num_anchors} anchors),"
               f" {name} path: {sum(split.values()) / 1e9:,.0f} GMAC per micro-batch")

@@ -102,7 +102,9 @@ def flop_plan(config: DSpineConfig, seq_len: int, num_anchors: int, batch: int,
     block_tokens = batch * num_anchors * bk
     ctx_tokens = batch * seq_len
     per_token_layer = h * (heads * hd) * 2 + h * (kv * hd) * 2 + 3 * h * inter  # q,o,k,v + MLP
-    attention = block_tokens * heads * hd * 2 * (seq_len + bk)  # scores + values, dense mask
+    # scores + values against the whole context: the dense CPU mask's cost (an upper bound for
+    # the sparse flex attention on a GPU, which skips the masked context)
+    attention = block_tokens * heads * hd * 2 * (seq_len + bk)
     layers_macs = 3 * (layers * (block_tokens * per_token_layer + ctx_tokens * h * kv * hd * 2
                                  + attention)
                        + ctx_tokens * config.num_context_layers * h * h)  # + the fc fusion
