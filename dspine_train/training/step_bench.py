@@ -127,7 +127,7 @@ class _PathStep:
             with profile.part("optimizer"):
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
 
 def _objective_change(draft, items, k: int) -> dict[str, float]:  # noqa: ANN001
