@@ -11,8 +11,9 @@ unsupervised slot):
   rising linearly to `alignment_weight` over `alignment_warmup_steps`
 * ablation:   full-vocabulary CE after every intermediate layer when `token_ce_intermediate`
 
-Full-vocabulary logits exist for one chunk of slots at a time and are recomputed in backward
-(activation checkpointing), so B x S x V is never materialised (SPEC 4).
+Full-vocabulary logits exist for one chunk of slots at a time, their gradient made in the same
+pass (`vocab_loss`; `reference=True`: recomputed in backward by activation checkpointing), so
+B x S x V is never materialised (SPEC 4).
 """
 
 from __future__ import annotations

@@ -229,11 +229,12 @@ class Trainer:
             print(f"resumed from {path} at step {state.step}")
 
     # ------------------------------------------------------------------ one micro-batch
-    def _features(self, batch: Batch, cache: OfflineFeatures | None) -> TargetFeatures:
+    def _features(self, batch: Batch, cache: OfflineFeatures | None,
+                  with_topk: bool = True) -> TargetFeatures:
         if cache is None:
             return self.extract(batch.input_ids, batch.attention_mask)
         feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1],
-                               with_topk=self.config.data.target_topk > 0)
+                               with_topk=with_topk and self.config.data.target_topk > 0)
         return feats.to(self.accelerator.device)
 
     def _target_distribution(self) -> str:
@@ -393,7 +394,7 @@ class Trainer:
         self.engine.eval()
         total = simulated_acceptance_counts(
             self.engine, self.eval_batches, self.eval_plan,
-            lambda batch: self._features(batch, self.eval_cache), seed=cfg.seed,
+            lambda batch: self._features(batch, self.eval_cache, with_topk=False), seed=cfg.seed,
             num_anchors=cfg.eval.num_anchors, block_size=self.draft_config.block_size,
             device=acc.device, rank=self.rank, world_size=self.world,
             eval_chunks=self.eval_chunks,
