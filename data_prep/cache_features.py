@@ -1,8 +1,9 @@
 """Cache the frozen target's features to disk, for training without the target online.
 
 Runs the target once over the recipe's train (and eval) split and writes the context features
-(hidden states at the draft's target layers) and the final hidden state of every token, sharded,
-under `data.offline_features_dir`. The size estimate is printed before anything is written.
+(hidden states at the draft's target layers), the final hidden state of every token and the
+top-`data.target_topk` of the target's next-token distribution, sharded, under
+`data.offline_features_dir`. The size estimate is printed before anything is written.
 Same recipe and overrides as training:
 
     python -m data_prep.cache_features recipe=tiny data.offline_features_dir=artifacts/tiny_features
@@ -43,7 +44,7 @@ from dspine_train.training.offline_features import (
     estimate_cache_bytes,
     write_feature_cache,
 )
-from dspine_train.training.target import TargetFeatureExtractor, load_target
+from dspine_train.training.target import TargetFeatureExtractor, load_target, target_head_weights
 
 register_configs()
 RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
@@ -96,6 +97,8 @@ def cache_features(cfg: DictConfig) -> list[Path]:
               f"about {size / 2**20:,.1f} MiB of features")
     target = load_target(m.target_path, m.target_dtype, device, m.trust_remote_code)
     extract = TargetFeatureExtractor(target, layer_ids)
+    # the target's distribution, computed once here instead of in every training step
+    topk = (target_head_weights(target)[1], d.target_topk) if d.target_topk > 0 else None
     written = []
     root.mkdir(parents=True, exist_ok=True)
     write_marker(root, MARKER, TOOL)
@@ -103,7 +106,7 @@ def cache_features(cfg: DictConfig) -> list[Path]:
         out = root / split
         identity = cache_identity(m.target_path, layer_ids, d.max_length, batches)
         write_feature_cache(out, batches, extract, identity, device,
-                            batch_size=max(1, d.batch_size))
+                            batch_size=max(1, d.batch_size), topk=topk)
         written.append(out)
         print(f"wrote {out}")
     return written

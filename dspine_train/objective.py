@@ -13,8 +13,9 @@ unsupervised slot):
   `alignment_warmup_steps`
 * ablation:   full-vocabulary CE after every intermediate layer when `token_ce_intermediate`
 
-Full-vocabulary logits exist for one chunk of slots at a time and are recomputed in backward
-(activation checkpointing), so B x S x V is never materialised (SPEC 4).
+Full-vocabulary logits exist for one chunk of slots at a time, their gradient made in the same
+pass (`vocab_loss`; `reference=True`: recomputed in backward by activation checkpointing), so
+B x S x V is never materialised (SPEC 4).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .modeling import DSpineDraftModel, DSpineTrainOutput
+from .vocab_loss import TargetDistribution, backbone_vocab_terms
 
 IGNORE = -100
 
@@ -130,6 +132,40 @@ def _vocab_terms(
     return ce, l1, correct, cand, p_target.gather(-1, cand)
 
 
+def _backbone_terms(
+    draft: DSpineDraftModel,
+    hidden: torch.Tensor,
+    target_hidden: torch.Tensor | None,
+    topk: tuple[torch.Tensor, ...] | None,
+    labels: torch.Tensor,
+    c: float,
+) -> tuple[torch.Tensor, ...]:
+    """`vocab_loss.backbone_vocab_terms` of one chunk; the target's distribution from the
+    cached top-k when given, else projected from its final state (None: no distillation).
+
+    With a pruned draft vocabulary the backbone scores its rows only, against the target's
+    distribution restricted to them and renormalised; labels outside it give garbage CE that
+    the caller weighs by zero. Candidates come back as target ids, p_target on them exact.
+    """
+    _, head = draft._require_target()
+    target = None
+    if topk is not None and target_hidden is not None:
+        ids, probs, lse = topk
+        target = TargetDistribution(probs.float(), ids.long(), target_hidden, lse[:, 0], head)
+    elif target_hidden is not None:
+        with torch.no_grad():  # the target's head on its own normed state (see _vocab_terms)
+            target = TargetDistribution(torch.softmax(draft.target_logits(target_hidden).float(), -1))
+    rows = draft.draft_token_ids()
+    restricted = None if target is None else target.restricted(rows, draft.target_to_draft)
+    mix, ce, l1, cand = backbone_vocab_terms(
+        draft.norm(hidden), draft.output_head(), draft.target_to_draft(labels).clamp_min(0), c,
+        restricted, draft.config.candidate_k)
+    cand = draft.draft_to_target(cand)
+    correct = (cand[:, 0] == labels).float()
+    p_cand = torch.zeros(cand.shape, device=cand.device) if target is None else target.at(cand)
+    return mix, ce, l1, correct, cand, p_cand
+
+
 def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp_min(1e-8)
 
@@ -144,11 +180,18 @@ def dspine_loss(
     step: int,
     total_steps: int | None = None,
     chunk_size: int = 1024,
+    target_topk: tuple[torch.Tensor, ...] | None = None,
+    reference: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The SPEC 2.3 objective for one training forward; returns (loss, detached metrics).
 
     target_final_hidden (B, S, H): the target's final normed hidden states; the target's
     distribution for slot k of anchor a is softmax(lm_head(target_final_hidden[a + k - 1])).
+    target_topk: (ids, probs, logsumexp), (B, S, k), (B, S, k), (B, S, 1): that distribution's
+    top-k per position and its log-normaliser as the feature cache stores them (`vocab_loss`);
+    when given, no V x H target projection is made.
+    reference: the backbone terms through autograd and activation checkpointing (two more
+    V x H projections per slot) instead of `vocab_loss`'s gradient-in-forward; same values.
     """
     del total_steps  # the alignment warm-up is in steps; kept for a uniform call signature
     cfg = draft.config
@@ -174,27 +217,42 @@ def dspine_loss(
 
     distill = cfg.distill
     c = cfg.ce_weight if distill else 1.0
-    ces, l1s, corrects, cands, p_cands = [], [], [], [], []
+    # a pruned draft vocabulary trains the backbone on the slots whose label is one of its rows
+    w_backbone = w if cfg.draft_vocab_size is None else w * (draft.target_to_draft(labels) >= 0)
+    if reference and cfg.draft_vocab_size is not None:
+        raise ValueError("dspine_loss(reference=True) scores the full vocabulary; this draft "
+                         f"has draft_vocab_size={cfg.draft_vocab_size}")
+    if target_topk is not None:
+        target_topk = tuple(t[flat_b, flat_pos] for t in target_topk)
+    mixes, ces, l1s, corrects, cands, p_cands = [], [], [], [], [], []
     for start in range(0, w.numel(), chunk_size):
         sl = slice(start, start + chunk_size)
         t_hidden = target_final_hidden[flat_b[sl], flat_pos[sl]] if distill else None
-        ce, l1, correct, cand, p_cand = checkpoint(
-            _vocab_terms, draft, hidden[sl], t_hidden, labels[sl], cfg.candidate_k,
-            use_reentrant=False,
-        )
-        ces.append(ce), l1s.append(l1), corrects.append(correct)
+        if reference:
+            ce, l1, correct, cand, p_cand = checkpoint(
+                _vocab_terms, draft, hidden[sl], t_hidden, labels[sl], cfg.candidate_k,
+                use_reentrant=False,
+            )
+            mix = c * ce + (1 - c) * l1 if distill else ce
+        else:
+            mix, ce, l1, correct, cand, p_cand = _backbone_terms(
+                draft, hidden[sl], t_hidden, None if target_topk is None
+                else tuple(t[sl] for t in target_topk), labels[sl], c if distill else 1.0)
+        mixes.append(mix), ces.append(ce), l1s.append(l1), corrects.append(correct)
         cands.append(cand), p_cands.append(p_cand)
     ce, l1 = torch.cat(ces), torch.cat(l1s)
     correct, cand, p_cand = torch.cat(corrects), torch.cat(cands), torch.cat(p_cands)
 
-    backbone_ce = _weighted_mean(ce, w)
-    backbone_l1 = _weighted_mean(l1, w)
-    loss = c * backbone_ce + (1 - c) * backbone_l1 if distill else backbone_ce
+    backbone_ce = _weighted_mean(ce, w_backbone)
+    backbone_l1 = _weighted_mean(l1, w_backbone)
+    loss = _weighted_mean(torch.cat(mixes), w_backbone)  # c * backbone_ce + (1-c) * backbone_l1
     metrics: dict[str, torch.Tensor] = {
         "backbone_ce": backbone_ce.detach(),
         "backbone_l1": backbone_l1.detach(),
         "top1_acc": _weighted_mean(correct, (w > 0).float()),
     }
+    if cfg.draft_vocab_size is not None:
+        metrics["outside_draft_vocab"] = _weighted_mean((w_backbone == 0).float(), (w > 0).float())
 
     # --- refinement over the candidates, teacher-forced with the true predecessor
     in_cand = cand == labels[:, None]  # (n, K)
@@ -245,10 +303,11 @@ def dspine_loss(
             for start in range(0, w.numel(), chunk_size):
                 sl = slice(start, start + chunk_size)
                 ce_l, *_ = checkpoint(
-                    _vocab_terms, draft, h[sl], None, labels[sl], 1, use_reentrant=False
+                    _vocab_terms, draft, h[sl], None,
+                    draft.target_to_draft(labels[sl]).clamp_min(0), 1, use_reentrant=False
                 )
                 layer_ce.append(ce_l)
-            inter.append(_weighted_mean(torch.cat(layer_ce), w))
+            inter.append(_weighted_mean(torch.cat(layer_ce), w_backbone))
         if inter:
             token_ce = torch.stack(inter).mean()
             loss = loss + token_ce

@@ -15,6 +15,29 @@ inherits the other's allocator cache.
 Peak memory: CUDA `max_memory_allocated` above the inputs on a GPU; on a CPU the peak resident
 set size above the level before the first step, sampled every millisecond. Prints a table and
 writes JSON (`--out`, default bench_results/train.json).
+
+With `--recipe NAME` it instead times a recipe's real training step (its draft, target head,
+token table, offline features and batches; Hydra overrides with `--set key=value`), the old
+path and the new ones side by side, interleaved step by step on the same batches, each step
+forward + objective + backward + AdamW step:
+
+    old          the objective through autograd + activation checkpointing, the target's
+                 distribution projected from its final state in every step (the code before
+                 `vocab_loss`), the recipe's precision
+    fused        gradient-in-forward vocabulary terms (`vocab_loss`), exact target distribution
+    fused+topk   ... and the target's top-k distribution as the feature cache stores it
+                 (`data.target_topk`; computed here from the cached final states, untimed, when
+                 the cache predates it)
+    +pruned      ... with a pruned draft vocabulary (`draft_vocab_size`, `--draft-vocab`),
+                 selected from the recipe's training data; its held-out outside share printed
+    +bf16        ... with the draft in bfloat16 (`precision: bf16`)
+
+and prints each path's ratio to `old`, where the time of one step goes (`step_profile`), the
+objective's change from the top-k target, and (`--plan`) the multiply-add split of any
+recipe's shapes (e.g. `--recipe qwen3_8b --plan`, too large to run on a CPU).
+
+    python scripts/bench_train.py --recipe qwen2.5_coder_0.5b --out bench_results/demo_step.json
+    python scripts/bench_train.py --recipe qwen3_8b --plan
 """
 
 from __future__ import annotations
@@ -186,7 +209,24 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="bench_results/train.json")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # worker mode
+    parser.add_argument("--recipe", help="time this recipe's real step, old vs new paths")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override of the recipe (repeatable)")
+    parser.add_argument("--batches", type=int, default=3,
+                        help="--recipe: the first N batches of the training stream, cycled")
+    parser.add_argument("--paths",
+                        default="old,fused,fused+topk,fused+topk+pruned,fused+topk+bf16",
+                        help="--recipe: the step paths compared, comma-separated")
+    parser.add_argument("--draft-vocab", type=int, default=32768,
+                        help="--recipe: draft_vocab_size of the +pruned paths")
+    parser.add_argument("--plan", action="store_true",
+                        help="--recipe: print the multiply-add split of its shapes, run nothing")
     args = parser.parse_args()
+    if args.recipe:
+        from dspine_train.training.step_bench import run_recipe_bench
+
+        run_recipe_bench(args)
+        return
     device = torch.device(args.device)
 
     if args.variant:  # worker: peak memory of one variant, JSON on the last line

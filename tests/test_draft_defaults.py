@@ -53,6 +53,8 @@ def _other_value(name: str, base: object) -> object:
         return [0, 2]
     if name == "mask_token_id":
         return 510
+    if name == "draft_vocab_size":
+        return 300
     if name == "method":
         return "dflash" if base == "dspine" else "dspine"
     if name == "block_attention":

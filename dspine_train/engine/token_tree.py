@@ -49,7 +49,8 @@ def lattice(
     """The draft's `(table (B, T, K, K), cand (B, T, K))` from one `draft_forward`.
 
     With `transition_cache` it is the transition table the chain walks; without it (per-slot
-    decoding, DFlash) every row of slot t is the slot's own logits of its top-K.
+    decoding, DFlash) every row of slot t is the slot's own logits of its top-K. `cand` holds
+    target ids: a pruned draft's ids are mapped as its `walk` maps them.
     """
     # Imported here: the modeling package pulls in transformers' model machinery, which plain
     # decoding does not need (the engine package imports this module).
@@ -57,11 +58,12 @@ def lattice(
 
     config = draft.config
     k = min(int(config.candidate_k), slot_logits.shape[-1])
-    cand = top_candidates(slot_logits, k)  # (B, T, K)
+    rows = top_candidates(slot_logits, k)  # (B, T, K) rows of slot_logits: draft ids
+    cand = draft.draft_to_target(rows) if getattr(config, "draft_vocab_size", None) else rows
     if config.transition_cache:
         table = transition_table(draft.refined_scores, pre[..., 1:, :], recv, anchors, cand)
     else:
-        scores = slot_logits.gather(-1, cand)  # (B, T, K)
+        scores = slot_logits.gather(-1, rows)  # (B, T, K)
         table = scores[..., None, :].expand(*cand.shape[:-1], k, k)
     return table.float(), cand
 

@@ -79,6 +79,13 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
         write_json_atomic(path, fields, indent=2, sort_keys=True)
         return
     source = getattr(draft.config, "_name_or_path", "") or "the draft"
+    if draft.config.draft_vocab_size is not None:
+        # These formats' loaders score the target's whole vocabulary: they would read no d2t
+        # map and run the pruned head's rows as the wrong tokens.
+        raise FormatError(
+            f"{source}: a pruned-vocabulary draft (draft_vocab_size="
+            f"{draft.config.draft_vocab_size}, its d2t map) cannot be exported with --format "
+            f"{fmt}: that format has no draft-to-target id map; export it with --format dspine")
     if fmt == "specforge":
         specforge.check_exportable(draft.config, source)
         tensors = specforge.state_dict(state)

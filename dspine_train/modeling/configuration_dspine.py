@@ -113,6 +113,10 @@ class DSpineConfig(PreTrainedConfig):
         transition_cache: decode with the (B-1) x K x K transition cache (SPEC 2.4); False decodes
             each slot by its own argmax.
         candidate_k: K, candidates per slot for refinement and the transition cache.
+        draft_vocab_size: N, a pruned draft vocabulary (EAGLE-3 / SpecForge style): the draft
+            scores only N target ids, held in the `d2t` buffer (draft id i is target id
+            i + d2t[i]); None scores the target's whole vocabulary. Verification always uses
+            the target's full vocabulary, so decoding stays lossless.
     Objective fields (read by `dspine_train.objective`):
         loss_gamma: decay of the per-slot weight `exp(-(k-1)/gamma)`.
         ce_weight: c, share of label CE in the backbone and refinement terms (rest is L1 distill).
@@ -153,6 +157,7 @@ class DSpineConfig(PreTrainedConfig):
         "replacement_probability": 0.5, "replacement_hold_ratio": 1 / 6,
         "replacement_end_ratio": 1 / 3, "readout_init": "whitened",
         "alignment_layer_reduction": "mean", "refine_normalization": "covered",
+        "draft_vocab_size": None,
     }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
@@ -195,6 +200,7 @@ class DSpineConfig(PreTrainedConfig):
     readout_init: Literal["whitened", "directions"] = "whitened"
     transition_cache: bool | None = None
     candidate_k: int = 16
+    draft_vocab_size: int | None = None
 
     # Objective (SPEC 2.3).
     loss_gamma: float = 7.0
@@ -322,6 +328,12 @@ class DSpineConfig(PreTrainedConfig):
         if not 1 <= self.candidate_k <= self.vocab_size:
             raise ValueError(
                 f"candidate_k must be in 1..vocab_size ({self.vocab_size}), got {self.candidate_k}"
+            )
+        if self.draft_vocab_size is not None and not (
+                self.candidate_k <= self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(
+                f"draft_vocab_size must be in candidate_k..vocab_size ({self.candidate_k}.."
+                f"{self.vocab_size}), got {self.draft_vocab_size}"
             )
         if not 1 <= self.transfer_dim <= min(self.hidden_size, self.vocab_size - 1):
             raise ValueError(

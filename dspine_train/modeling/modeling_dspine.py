@@ -125,8 +125,14 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         self.register_buffer(
             "token_codes", torch.zeros(config.vocab_size, config.transfer_dim), persistent=True
         )
+        if config.draft_vocab_size is not None:
+            # Pruned vocabulary: draft id i scores target id i + d2t[i] (EAGLE-3's `d2t`
+            # convention); saved with the weights, set by `set_draft_vocab`.
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long),
+                                 persistent=True)
         self._target_embed: torch.Tensor | None = None
         self._target_head: torch.Tensor | None = None
+        self._head_rows: tuple[tuple, torch.Tensor] | None = None  # (key, pruned head rows)
         self.post_init()
 
     @classmethod
@@ -172,6 +178,49 @@ class DSpineDraftModel(DSpinePreTrainedModel):
                 )
         self._target_embed = embed_weight.detach()
         self._target_head = lm_head_weight.detach()
+
+    # ------------------------------------------------------------------ pruned vocabulary
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Score only `target_ids` (N distinct target ids, N = `draft_vocab_size`), kept sorted."""
+        n = self.config.draft_vocab_size
+        ids = torch.unique(target_ids.long().cpu())
+        if n is None or ids.numel() != n or target_ids.numel() != n:
+            raise ValueError(f"set_draft_vocab: {target_ids.numel()} ids ({ids.numel()} distinct)"
+                             f" for draft_vocab_size={n}")
+        if ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+            raise ValueError(f"set_draft_vocab: ids outside 0..{self.config.vocab_size - 1}")
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(n))
+
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """The target id of every draft row (N,), or None when the draft scores every id."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids (identity without a pruned vocabulary)."""
+        return ids if self.config.draft_vocab_size is None else ids + self.d2t[ids]
+
+    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids of target ids, -1 for ids outside the pruned vocabulary (identity without)."""
+        rows = self.draft_token_ids()
+        if rows is None:
+            return ids
+        t2d = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        t2d[rows.to(ids.device)] = torch.arange(rows.numel(), device=ids.device)
+        return t2d[ids.clamp_min(0)].masked_fill(ids < 0, -1)
+
+    def output_head(self) -> torch.Tensor:
+        """The head rows the draft scores: the target's lm_head, or its `d2t` rows (cached)."""
+        _, head = self._require_target()
+        rows = self.draft_token_ids()
+        if rows is None:
+            return head
+        key = (head.data_ptr(), head.dtype, head.device, self.d2t._version, self.d2t.data_ptr())
+        if self._head_rows is None or self._head_rows[0] != key:
+            self._head_rows = (key, head[rows.to(head.device)])
+        return self._head_rows[1]
 
     def _require_target(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._target_embed is None or self._target_head is None:
@@ -225,9 +274,9 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + the target's lm_head: (..., H) -> (..., V)."""
-        _, head = self._require_target()
-        return vocab_projection(self.norm(hidden), head.to(hidden.dtype))
+        """Final norm + the target's lm_head: (..., H) -> (..., V), or (..., N) draft-id
+        logits over a pruned vocabulary (`output_head`)."""
+        return vocab_projection(self.norm(hidden), self.output_head().to(hidden.dtype))
 
     def target_logits(self, state: torch.Tensor) -> torch.Tensor:
         """The target's own logits from its final *normed* state: (..., H) -> (..., V).
@@ -352,10 +401,19 @@ class DSpineDraftModel(DSpinePreTrainedModel):
 
         pre_injection (..., Bk, H), recv_features (..., Bk-1, r), slot_logits (..., Bk-1, V),
         anchor_ids (...,). With `transition_cache` the K x K table walk, else per-slot decode.
+        With a pruned vocabulary, slot_logits are over draft ids and this is the one place they
+        become target ids: the tokens returned and q are over the target's vocabulary.
         """
         if not self.config.transition_cache:
-            return per_slot_decode(slot_logits, temperature, generator)
-        cand = top_candidates(slot_logits, self.config.candidate_k)
+            result = per_slot_decode(slot_logits, temperature, generator)
+            if self.config.draft_vocab_size is None:
+                return result
+            q = result.q
+            if q is not None:  # scattered into the target's vocabulary (zero off the draft's)
+                rows = self.draft_token_ids().to(q.device).expand(*q.shape[:-1], -1)
+                q = q.new_zeros(*q.shape[:-1], self.config.vocab_size).scatter_(-1, rows, q)
+            return WalkResult(self.draft_to_target(result.tokens), q)
+        cand = self.draft_to_target(top_candidates(slot_logits, self.config.candidate_k))
         table = transition_table(
             self.refined_scores, pre_injection[..., 1:, :], recv_features, anchor_ids, cand
         )

@@ -188,6 +188,11 @@ class DataConfig:
         length_group_size: batches per shuffled length-sorted group.
         offline_features_dir: train from features cached by `data_prep/cache_features.py`
             instead of running the target online.
+        target_topk: the feature cache pass also stores the top-k of the target's next-token
+            distribution (k ids and probabilities per token, 8k bytes), and training with that
+            cache uses it instead of projecting each slot through the target's head
+            (`vocab_loss`); 0 stores none / trains on the exact distribution. 1024 moves the
+            demo's objective by < 2e-4 (64: 1e-2; `scripts/bench_train.py --recipe`).
         synthetic: when the train path does not exist, write a small dataset sampled from the
             target there first (the `tiny` recipe and CI).
         synthetic_num_sequences: sequences of the synthetic dataset (train + eval).
@@ -204,6 +209,7 @@ class DataConfig:
     group_by_length: bool = True
     length_group_size: int = 64
     offline_features_dir: str | None = None
+    target_topk: int = 1024
     synthetic: bool = False
     synthetic_num_sequences: int = 160
     synthetic_length: int = 64
@@ -432,6 +438,12 @@ def validate_config(config: TrainConfig) -> None:
         raise ConfigError(f"deepspeed.stage must be 2 or 3, got {config.deepspeed.stage}")
     if config.export.format == ExportFormat.dflash:
         _check_dflash_export(config.model)
+    if config.model.draft_vocab_size is not None and config.export.format != ExportFormat.dspine:
+        raise ConfigError(  # the other formats carry no draft-to-target id map
+            f"model.draft_vocab_size: a pruned draft exports only with export.format: dspine, "
+            f"not {config.export.format.value}")
+    if config.data.target_topk < 0:
+        raise ConfigError(f"data.target_topk must be >= 0, got {config.data.target_topk}")
     if config.model.target_dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(
             "model.target_dtype must be 'bfloat16', 'float16' or 'float32', "

@@ -22,10 +22,13 @@ class DraftStep(nn.Module):
     during evaluation).
     """
 
-    def __init__(self, draft: DSpineDraftModel, logits_chunk_size: int = 1024) -> None:
+    def __init__(self, draft: DSpineDraftModel, logits_chunk_size: int = 1024,
+                 reference_vocab_terms: bool = False) -> None:
         super().__init__()
         self.draft = draft
         self.logits_chunk_size = logits_chunk_size
+        # the objective's autograd + checkpointing path (slower, same values; the bench's "old")
+        self.reference_vocab_terms = reference_vocab_terms
 
     def forward(
         self,
@@ -40,11 +43,14 @@ class DraftStep(nn.Module):
         total_steps: int = 1,
         evaluate: bool | str = False,
         eval_chunks: int = 0,
+        target_topk: tuple[torch.Tensor, ...] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | torch.Tensor:
         """input_ids, loss_mask (B, S); context (B, S, n*H); final_hidden (B, S, H);
         anchors, anchor_mask, replace_mask (B, A). `eval_chunks`: decode chunks every process
         runs in evaluation (see `_acceptance_counts`). `evaluate="blocks"` returns the
-        per-block flags of `accepted_prefixes` instead of their sums."""
+        per-block flags of `accepted_prefixes` instead of their sums. target_topk: the target's
+        distribution as a feature cache stored it (`TargetFeatures.topk`; then it is not
+        projected again)."""
         if evaluate == "blocks":  # through forward, so ZeRO-3 gathers the parameters
             return self.accepted_prefixes(input_ids, context, final_hidden, loss_mask, anchors,
                                           anchor_mask, eval_chunks)
@@ -54,7 +60,8 @@ class DraftStep(nn.Module):
         out = self.draft(input_ids, context, anchors, anchor_mask, replace_mask)
         return dspine_loss(
             self.draft, out, final_hidden, loss_mask, anchors, anchor_mask, step, total_steps,
-            chunk_size=self.logits_chunk_size,
+            chunk_size=self.logits_chunk_size, target_topk=target_topk,
+            reference=self.reference_vocab_terms,
         )
 
     @torch.no_grad()

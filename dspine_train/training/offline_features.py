@@ -7,7 +7,15 @@ Layout of one split's cache, `<offline_features_dir>/<split>/`:
     shard_00000.safetensors
         context       (T, n*H)  hidden states at the target layers, T = tokens in the shard
         final_hidden  (T, H)    the target's final normed hidden state
+        topk_ids      (T, k)    int32, the k most likely next tokens of the target at each token
+        topk_probs    (T, k)    float32, their probabilities (only when `target_topk` k > 0)
+        target_lse    (T, 1)    float32, the logsumexp of the target's logits (idem)
         offsets       (R + 1,)  row r of the shard is tokens offsets[r]:offsets[r+1]
+
+The top-k is the target's distribution computed once here, so a training step does not
+project every slot's state through the V x H head again (`dspine_train.vocab_loss`); a cache
+without it (older, or `data.target_topk: 0`) trains on the exact distribution projected from
+`final_hidden`.
 
 Rows are stored in dataset order, cut to `max_length`, without padding. Sizes are large
 (positions x (n+1) x H x 2 bytes in bf16, ~40 KB per token for Qwen3-8B), so
@@ -42,6 +50,7 @@ from ..checkpoint_io import (
     replace_dir,
 )
 from ..owned_dir import check_replaceable
+from ..vocab_loss import target_topk
 from .data import TokenBatches
 from .errors import TrainingError
 from .target import TargetFeatures
@@ -131,8 +140,11 @@ def write_feature_cache(
     device: torch.device,
     batch_size: int = 8,
     shard_tokens: int = 1 << 20,
+    topk: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """Run the target over every row of `batches` and write the sharded cache to `out_dir`.
+
+    `topk` (lm_head weight (V, H), k): also store the top-k of the target's distribution.
 
     Written into a hidden sibling and swapped in at the end, so a cache directory is always
     whole; an existing `out_dir` is replaced only when it is a feature cache (or empty).
@@ -142,7 +154,7 @@ def write_feature_cache(
     clean_dead_builds(out_dir)
     tmp = build_dir(out_dir)
     try:
-        _write_shards(tmp, batches, extract, identity, device, batch_size, shard_tokens)
+        _write_shards(tmp, batches, extract, identity, device, batch_size, shard_tokens, topk)
         replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -156,25 +168,22 @@ def _write_shards(
     device: torch.device,
     batch_size: int,
     shard_tokens: int,
+    topk: tuple[torch.Tensor, int] | None,
 ) -> None:
     shards: list[dict[str, int | str]] = []
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pending: list[tuple[torch.Tensor, ...]] = []
     pending_tokens, first_row, dtype = 0, 0, None
 
     def flush() -> None:
         nonlocal pending, pending_tokens, first_row
         if not pending:
             return
-        lengths = torch.tensor([0] + [c.shape[0] for c, _ in pending])
+        lengths = torch.tensor([0] + [p[0].shape[0] for p in pending])
         name = f"shard_{len(shards):05d}.safetensors"
-        save_file(
-            {
-                "context": torch.cat([c for c, _ in pending]).contiguous(),
-                "final_hidden": torch.cat([f for _, f in pending]).contiguous(),
-                "offsets": torch.cumsum(lengths, 0),
-            },
-            str(tmp / name),
-        )
+        names = ("context", "final_hidden", "topk_ids", "topk_probs", "target_lse")
+        tensors = {key: torch.cat([p[i] for p in pending]).contiguous()
+                   for i, key in enumerate(names[: len(pending[0])])}
+        save_file({**tensors, "offsets": torch.cumsum(lengths, 0)}, str(tmp / name))
         shards.append({"file": name, "first_row": first_row, "num_rows": len(pending)})
         first_row += len(pending)
         pending, pending_tokens = [], 0
@@ -185,12 +194,16 @@ def _write_shards(
         feats = extract(batch.input_ids, batch.attention_mask)
         dtype = feats.context.dtype
         for i, n in enumerate(batch.attention_mask.sum(1).tolist()):
-            pending.append((feats.context[i, :n].cpu(), feats.final_hidden[i, :n].cpu()))
+            row = (feats.context[i, :n].cpu(), feats.final_hidden[i, :n].cpu())
+            if topk is not None:
+                row += tuple(t.cpu() for t in target_topk(feats.final_hidden[i, :n], *topk))
+            pending.append(row)
             pending_tokens += n
         if pending_tokens >= shard_tokens:
             flush()
     flush()
-    index = {**identity.__dict__, "dtype": str(dtype).removeprefix("torch."), "shards": shards}
+    index = {**identity.__dict__, "dtype": str(dtype).removeprefix("torch."),
+             "target_topk": topk[1] if topk is not None else 0, "shards": shards}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
@@ -231,21 +244,31 @@ class OfflineFeatures:
             self._handles[shard["file"]] = handle
         return handle, row - shard["first_row"]
 
-    def features(self, rows: list[int], width: int) -> TargetFeatures:
-        """Features of `rows`, right-padded with zeros to `width` positions."""
-        contexts, finals = [], []
+    @property
+    def target_topk(self) -> int:
+        """k of the stored top-k target distribution; 0 when the cache has none."""
+        return int(self.index.get("target_topk", 0))
+
+    def features(self, rows: list[int], width: int, with_topk: bool = True) -> TargetFeatures:
+        """Features of `rows`, right-padded with zeros to `width` positions (with the stored
+        top-k target distribution when the cache has one and `with_topk`)."""
+        names = ["context", "final_hidden"]
+        if with_topk and self.target_topk > 0:
+            names += ["topk_ids", "topk_probs", "target_lse"]
+        parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
         for row in rows:
             handle, local = self._shard(row)
             offsets = handle.get_slice("offsets")[local : local + 2]
             lo, hi = int(offsets[0]), int(offsets[1])
-            contexts.append(handle.get_slice("context")[lo:hi])
-            finals.append(handle.get_slice("final_hidden")[lo:hi])
-        context = contexts[0].new_zeros(len(rows), width, contexts[0].shape[-1])
-        final = finals[0].new_zeros(len(rows), width, finals[0].shape[-1])
-        for i, (c, f) in enumerate(zip(contexts, finals)):
-            context[i, : c.shape[0]] = c
-            final[i, : f.shape[0]] = f
-        return TargetFeatures(context=context, final_hidden=final)
+            for name in names:
+                parts[name].append(handle.get_slice(name)[lo:hi])
+        padded = {}
+        for name, values in parts.items():
+            out = values[0].new_zeros(len(rows), width, values[0].shape[-1])
+            for i, v in enumerate(values):
+                out[i, : v.shape[0]] = v
+            padded[name] = out
+        return TargetFeatures(**padded)
 
 
 def _check_fingerprints(cache_dir: Path, index: dict, expected: CacheIdentity) -> None:

@@ -34,10 +34,28 @@ class TargetFeatures:
 
     context: (B, S, n*H) hidden states at `target_layer_ids`, concatenated.
     final_hidden: (B, S, H) the target's final normed hidden state.
+    topk_ids, topk_probs: (B, S, k) the top-k of the target's next-token distribution at each
+        position, target_lse (B, S, 1) its logits' logsumexp, when a feature cache stored them
+        (`offline_features`); None otherwise.
     """
 
     context: torch.Tensor
     final_hidden: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_probs: torch.Tensor | None = None
+    target_lse: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> TargetFeatures:
+        """The same features on `device`."""
+        return TargetFeatures(*[None if t is None else t.to(device) for t in (
+            self.context, self.final_hidden, self.topk_ids, self.topk_probs, self.target_lse)])
+
+    @property
+    def topk(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(topk_ids, topk_probs, target_lse), or None when not stored."""
+        if self.topk_ids is None:
+            return None
+        return self.topk_ids, self.topk_probs, self.target_lse
 
 
 def load_target_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:

@@ -37,6 +37,7 @@ from .data import Batch, BatchStream, TokenBatches
 from .distributed import build_accelerator, without_zero3_init
 from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
+from .draft_vocab import prune_draft_vocab, tokenizer_or_none
 from .errors import TrainingError
 from .evaluation import (
     AcceptanceStats,
@@ -141,6 +142,12 @@ class Trainer:
             acc.wait_for_everyone,
         )
         draft = build_draft(m, inputs.draft_config, table, inputs.target_config, cfg.seed)
+        if draft.config.draft_vocab_size is not None and (
+                not m.init_from or warm_start.dflash_checkpoint(m.init_from) is not None):
+            line = prune_draft_vocab(draft, inputs.train, inputs.eval,
+                                     tokenizer_or_none(m.target_path))
+            if self.is_main:
+                print(line)
         if self.is_main and warm_start.dflash_checkpoint(m.init_from) is not None:
             print(warm_start.describe(draft.config, m.init_from))
         self.draft_config = draft.config
@@ -227,12 +234,23 @@ class Trainer:
             print(f"resumed from {path} at step {state.step}")
 
     # ------------------------------------------------------------------ one micro-batch
-    def _features(self, batch: Batch, cache: OfflineFeatures | None) -> TargetFeatures:
+    def _features(self, batch: Batch, cache: OfflineFeatures | None,
+                  with_topk: bool = True) -> TargetFeatures:
         if cache is None:
             return self.extract(batch.input_ids, batch.attention_mask)
-        feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1])
-        device = self.accelerator.device
-        return TargetFeatures(feats.context.to(device), feats.final_hidden.to(device))
+        feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1],
+                               with_topk=with_topk and self.config.data.target_topk > 0)
+        return feats.to(self.accelerator.device)
+
+    def _target_distribution(self) -> str:
+        """How the distillation target is obtained, for the run's first lines."""
+        k = self.train_cache.target_topk if self.train_cache is not None else 0
+        if k and self.config.data.target_topk > 0:
+            return f"top-{k} + remainder, cached once per token (data.offline_features_dir)"
+        why = "online target" if self.train_cache is None else (
+            "data.target_topk: 0" if k else "the feature cache stores none (made before "
+            "data.target_topk existed, or with 0)")
+        return f"exact, projected through the target's head every step ({why})"
 
     def _anchors(
         self, batch: Batch, generator: torch.Generator, num_anchors: int
@@ -266,6 +284,7 @@ class Trainer:
             print(f"training {cfg.name}: {self.total_steps} steps on {self.world} process(es), "
                   f"ZeRO-{cfg.deepspeed.stage}, {_count(self.step_module):,} draft parameters, "
                   f"online target: {not self.offline}")
+            print(f"target distribution: {self._target_distribution()}")
             # the draft's forward picks its attention by device (`default_use_flex`)
             print(f"draft attention on {acc.device}: "
                   f"{training_attention_path(default_use_flex(acc.device))}")
@@ -294,7 +313,7 @@ class Trainer:
                     loss, metrics = self.engine(
                         batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
                         anchors, anchor_mask, replace, step=state.step,
-                        total_steps=self.total_steps,
+                        total_steps=self.total_steps, target_topk=feats.topk,
                     )
                     self._check_finite(loss, state.step, index)
                     acc.backward(loss)
@@ -408,7 +427,7 @@ class Trainer:
             return results
         total = simulated_acceptance_counts(
             self.engine, self.eval_batches, self.eval_plan,
-            lambda batch: self._features(batch, self.eval_cache), seed=cfg.seed,
+            lambda batch: self._features(batch, self.eval_cache, with_topk=False), seed=cfg.seed,
             num_anchors=cfg.eval.num_anchors, block_size=self.draft_config.block_size,
             device=acc.device, rank=self.rank, world_size=self.world,
             eval_chunks=self.eval_chunks,
