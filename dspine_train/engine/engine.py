@@ -19,7 +19,6 @@ the same machinery with one token per step, and is the baseline speculative outp
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -41,6 +40,7 @@ from dspine_train.engine.errors import CheckpointError, GenerationInputError
 from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
 from dspine_train.engine.sampling import next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
+from dspine_train.engine.target_files import eos_token_ids, load_tokenizer
 from dspine_train.engine.target_model import TargetModel
 from dspine_train.engine.tree_verify import TreeVerifier
 from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
@@ -177,7 +177,7 @@ class Engine:
         if draft is not None:
             check_draft_files(draft)
         model = load_target(target_dir, device=device, dtype=dtype)
-        tok = _load_tokenizer(
+        tok = load_tokenizer(
             tokenizer if tokenizer is not None else target_dir, required=(tokenizer is not None)
         )
         draft_model = None
@@ -191,7 +191,7 @@ class Engine:
             except ValueError as err:  # its own errors name the directory; others get it
                 message = str(err) if str(draft) in str(err) else f"draft {draft}: {err}"
                 raise CheckpointError(message) from err
-        kwargs.setdefault("eos_token_ids", _eos_ids(target_dir, model, tok))
+        kwargs.setdefault("eos_token_ids", eos_token_ids(target_dir, model, tok))
         return cls(model, draft_model, tok, **kwargs)
 
     # ------------------------------------------------------------------ public API
@@ -684,42 +684,3 @@ class _Sampler:
     temperature: float
     top_p: float
     generator: torch.Generator
-
-
-def _load_tokenizer(source: str | Path | Any, *, required: bool) -> Any | None:
-    """A tokenizer object, loaded from a directory when given a path; None if it has none."""
-    if not isinstance(source, (str, Path)):
-        return source
-    directory = Path(source)
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        # transformers would build a placeholder from config.json alone; an engine without a
-        # tokenizer (token-id prompts only) is the honest outcome.
-        if required:
-            raise GenerationInputError(
-                f"{directory}: no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
-            )
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError, TypeError) as err:
-        raise GenerationInputError(f"{directory}: cannot load its tokenizer ({err})") from err
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _eos_ids(target_dir: Path, model: TargetModel, tokenizer: Any | None) -> list[int]:
-    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
-    for source in (target_dir / "generation_config.json",):
-        if source.is_file():
-            value = json.loads(source.read_text()).get("eos_token_id")
-            if value is not None:
-                return [value] if isinstance(value, int) else list(value)
-    value = getattr(model.hf_config, "eos_token_id", None)
-    if value is not None:
-        return [value] if isinstance(value, int) else list(value)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return [tokenizer.eos_token_id]
-    return []
