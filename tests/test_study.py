@@ -45,12 +45,12 @@ def test_a_variant_with_an_unknown_key_fails_by_name_before_training(
     monkeypatch.setattr(runner, "run_logged", lambda *a, **k: trained.append(a))
     settings = tiny_settings(tmp_path, tiny_assets)
     good = StudyVariant("good", "", ("model.alignment_weight=0.0",))
-    bad = StudyVariant("not_merged", "", ("model.draft_vocab_size=64",))
+    bad = StudyVariant("not_merged", "", ("model.no_such_setting=1",))
     check_variant_overrides(settings, [good])  # a real key passes
     with pytest.raises(StudyError) as err:
         study.run_study(settings, [good, bad], target=str(tiny_assets["target"]))
     message = str(err.value)
-    assert "variant not_merged" in message and "model.draft_vocab_size" in message
+    assert "variant not_merged" in message and "model.no_such_setting" in message
     assert "variant good" not in message
     assert trained == []  # nothing ran: not even the feature cache
 
