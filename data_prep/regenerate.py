@@ -35,7 +35,16 @@ from tqdm.auto import tqdm
 
 from data_prep.backends import Backend, backend_identity, build_backend
 from data_prep.cli_errors import os_error_line
-from data_prep.config import RECIPES_PATH, DataConfig, to_data_config
+from data_prep.config import (
+    RECIPES_PATH,
+    DataConfig,
+    LocalBackendConfig,
+    RegenerateConfig,
+    SamplingConfig,
+    SourceConfig,
+    SourcePart,
+    to_data_config,
+)
 from data_prep.schema import DataError
 from data_prep.shards import (
     ShardWriter,
@@ -61,10 +70,16 @@ def _check_settings(output_dir: Path, settings: dict[str, Any]) -> None:
     recorded = json.loads(path.read_text())
     current = json.loads(json.dumps(settings, default=str))
     changed = [f"{key}: {recorded.get(key)!r} -> {current[key]!r}"
-               for key in current if recorded.get(key) != current[key]]
+               for key in current if key in recorded and recorded[key] != current[key]]
     if changed:
         raise DataError(f"{output_dir} holds rows generated with other settings "
                         f"({'; '.join(changed)}); use another output_dir or delete it")
+    # A setting recorded only by newer versions (the local dtype) is unknown for a directory an
+    # older version started: said once, then recorded, so later resumes are checked.
+    if missing := [key for key in current if key not in recorded]:
+        print(f"note: {path} did not record {', '.join(missing)}; recording this run's "
+              f"({', '.join(f'{k}={current[k]!r}' for k in missing)})", file=sys.stderr)
+        write_text_atomic(path, json.dumps({**recorded, **current}, indent=2) + "\n")
 
 
 def run_regeneration(data: DataConfig, backend: Backend | None = None) -> dict[str, Any]:
@@ -139,6 +154,20 @@ def _regenerate_locked(data: DataConfig, source: SourceRows, backend: Backend | 
         }
         write_text_atomic(output_dir / REPORT_FILE, json.dumps(report, indent=2) + "\n")
     return report
+
+
+def greedy_local_job(prompts: str | Path, target: str | Path, output_dir: str | Path, *,
+                     max_new_tokens: int, batch_size: int, dtype: str = "auto",
+                     shard_size: int = 32) -> DataConfig:
+    """The job of a target on this machine answering every prompt of one JSONL file greedily
+    (the demo's and the study's data: greedy, so the trainer's simulated tau is exact); the
+    output is flushed every minute, so a killed run resumes with little lost."""
+    return DataConfig(
+        source=SourceConfig(paths=[str(prompts)], part=SourcePart.all),
+        regenerate=RegenerateConfig(
+            local=LocalBackendConfig(model_path=str(target), dtype=dtype, batch_size=batch_size),
+            sampling=SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens),
+            output_dir=str(output_dir), shard_size=shard_size, flush_interval_s=60.0))
 
 
 def summary_line(report: dict[str, Any]) -> str:

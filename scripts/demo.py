@@ -260,25 +260,12 @@ def stage_prompts(demo: Demo) -> dict[str, Any]:
 
 def stage_regenerate(demo: Demo) -> dict[str, Any]:
     """The target answers each prompt greedily (so the trainer's simulated tau is exact)."""
-    from data_prep.config import (
-        DataConfig,
-        LocalBackendConfig,
-        RegenerateConfig,
-        SamplingConfig,
-        SourceConfig,
-        SourcePart,
-    )
-    from data_prep.regenerate import run_regeneration, summary_line
+    from data_prep.regenerate import greedy_local_job, run_regeneration, summary_line
 
     args = demo.args
-    data = DataConfig(
-        source=SourceConfig(paths=[str(demo.path("data", "prompts.jsonl"))], part=SourcePart.all),
-        regenerate=RegenerateConfig(
-            local=LocalBackendConfig(model_path=str(demo.target),
-                                     batch_size=args.regen_batch_size),
-            sampling=SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens),
-            output_dir=str(demo.path("data", "regenerated")), shard_size=32,
-            flush_interval_s=60.0))
+    data = greedy_local_job(
+        demo.path("data", "prompts.jsonl"), demo.target, demo.path("data", "regenerated"),
+        max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size)
     report = run_regeneration(data)
     print(summary_line(report))
     if report["done"] == 0:

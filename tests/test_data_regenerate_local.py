@@ -132,3 +132,28 @@ def test_sampling_is_reproducible_for_a_seed(model_dir):
     first = sample(seed=1)
     assert sample(seed=1) == first
     assert sample(seed=2) != first
+
+
+def test_a_resume_in_another_precision_is_refused_and_old_directories_record_it(tmp_path,
+                                                                                model_dir):
+    from data_prep.regenerate import SETTINGS_FILE, greedy_local_job
+    from data_prep.schema import DataError
+
+    prompts = write_jsonl(tmp_path / "in.jsonl", ROWS[:2])
+    out = tmp_path / "regen"
+
+    def job(dtype):
+        return greedy_local_job(prompts, model_dir, out, max_new_tokens=3, batch_size=2,
+                                dtype=dtype)
+
+    assert run_regeneration(job("float32"))["done"] == 2
+    recorded = json.loads((out / SETTINGS_FILE).read_text())
+    assert recorded["dtype"] == "float32"
+    # greedy answers of a bfloat16 target differ from float32 ones: never mixed in one directory
+    with pytest.raises(DataError, match=r"dtype: 'float32' -> 'bfloat16'"):
+        run_regeneration(job("bfloat16"))
+    # a directory an older version made has no dtype: accepted once, then recorded
+    (out / SETTINGS_FILE).write_text(json.dumps({k: v for k, v in recorded.items()
+                                                 if k != "dtype"}))
+    assert run_regeneration(job("bfloat16"))["done"] == 2
+    assert json.loads((out / SETTINGS_FILE).read_text())["dtype"] == "bfloat16"

@@ -94,10 +94,15 @@ class Backend(Protocol):
 
 
 def backend_identity(config: RegenerateConfig) -> dict[str, str]:
-    """Which model generates, recorded with the shards so a resume cannot mix two models."""
+    """Which model generates, recorded with the shards so a resume cannot mix two models (nor,
+    locally, two precisions: greedy answers of a float32 and a bfloat16 target differ)."""
     if config.backend == BackendKind.http:
         return {"backend": "http", "model": config.http.model}
-    return {"backend": "local", "model": str(Path(config.local.model_path).resolve())}
+    from data_prep.backends.local import resolve_device, resolve_dtype
+
+    dtype = resolve_dtype(config.local.dtype, resolve_device(config.local.device))
+    return {"backend": "local", "model": str(Path(config.local.model_path).resolve()),
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def build_backend(config: RegenerateConfig) -> Backend:

@@ -166,25 +166,12 @@ def make_prompts(settings: StudyDataSettings) -> dict[str, Any]:
 
 def regenerate(settings: StudyDataSettings, part: str) -> dict[str, Any]:
     """The target answers every prompt of `part` greedily (resumes: done rows are skipped)."""
-    from data_prep.config import (
-        DataConfig,
-        LocalBackendConfig,
-        RegenerateConfig,
-        SamplingConfig,
-        SourceConfig,
-        SourcePart,
-    )
-    from data_prep.regenerate import run_regeneration, summary_line
+    from data_prep.regenerate import greedy_local_job, run_regeneration, summary_line
 
-    data = DataConfig(
-        source=SourceConfig(paths=[str(settings.path("prompts", f"{part}.jsonl"))],
-                            part=SourcePart.all),
-        regenerate=RegenerateConfig(
-            local=LocalBackendConfig(model_path=str(settings.target), dtype=settings.regen_dtype,
-                                     batch_size=settings.regen_batch_size),
-            sampling=SamplingConfig(temperature=0.0, max_new_tokens=settings.max_new_tokens),
-            output_dir=str(settings.path("regenerated", part)), shard_size=64,
-            flush_interval_s=60.0))
+    data = greedy_local_job(
+        settings.path("prompts", f"{part}.jsonl"), settings.target,
+        settings.path("regenerated", part), max_new_tokens=settings.max_new_tokens,
+        batch_size=settings.regen_batch_size, dtype=settings.regen_dtype, shard_size=64)
     report = run_regeneration(data)
     print(summary_line(report), flush=True)
     if report["pending"] or report["failed"]:
