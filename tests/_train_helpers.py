@@ -110,3 +110,16 @@ def build_tiny_assets(root: Path) -> dict[str, Path]:
         write_synthetic_dataset(data, target, num_sequences=160, length=64, seed=0)
     return {"root": root, "target": target, "data": data,
             "token_table": root / "token_table.safetensors"}
+
+
+# The embedded default target's architecture (Qwen2.5-Coder-0.5B-Instruct: 24 layers, H 896), for
+# recipes whose target is not on this machine and ships no config under recipes/targets/.
+DEFAULT_TARGET = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
+
+
+def compose_recipe(*overrides: str):
+    """The typed `TrainConfig` that `train.py <overrides>` composes (nothing runs)."""
+    from dspine_train.ablation.study import compose_train_config
+
+    return compose_train_config(overrides)

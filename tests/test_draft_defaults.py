@@ -8,29 +8,19 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from transformers import Qwen2Config
 
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
-from dspine_train.training.config import ModelConfig, TrainConfig, register_configs, to_train_config
+from dspine_train.training.config import ModelConfig, TrainConfig
 from dspine_train.training.inputs import check_inputs
 from dspine_train.training.planning import memory_plan_for, plan_draft_config
 from dspine_train.training.tiny_assets import tiny_target_config
-from tests._train_helpers import REPO
+from tests._train_helpers import DEFAULT_TARGET, REPO
+from tests._train_helpers import compose_recipe as _compose
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 
-# The embedded default target's architecture (Qwen2.5-Coder-0.5B-Instruct), for recipes whose
-# target is not on this machine and ships no config under recipes/targets/.
-DEFAULT_TARGET = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
-
-
-def _compose(*overrides: str) -> TrainConfig:
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        return to_train_config(compose("config", overrides=list(overrides)))
 
 
 def _with_readable_target(config: TrainConfig, tmp_path: Path, tiny_assets: dict) -> TrainConfig:

@@ -7,22 +7,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from transformers import Qwen2Config
 
-from dspine_train.training.config import TrainConfig, register_configs, to_train_config
 from dspine_train.training.planning import plan_draft_config
-from tests._train_helpers import REPO
-
-# The embedded default target's architecture (Qwen2.5-Coder-0.5B-Instruct: 24 layers, H 896).
-DEFAULT_TARGET = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
-
-
-def _compose(*overrides: str) -> TrainConfig:
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        return to_train_config(compose("config", overrides=list(overrides)))
+from tests._train_helpers import DEFAULT_TARGET
+from tests._train_helpers import compose_recipe as _compose
 
 
 @pytest.fixture(scope="module")
