@@ -48,6 +48,10 @@ SPECFORGE_PUBLISHED = ("preset=specforge_published",)
 # Size of the pruned draft vocabulary (EAGLE-3 / SpecForge use 32k for 150k-token targets).
 PRUNED_VOCAB = 32768
 
+# `model.warm_start_layers` of the warm-start variant: the demo target's (24 layers) last two,
+# one per layer of the demo's 2-layer draft (recipes/model/qwen2.5_coder_0.5b.yaml).
+WARM_START_LAYERS = (22, 23)
+
 # Order is the report's order; `dspine` is the reference of every paired difference.
 STUDY_VARIANTS: dict[str, StudyVariant] = {
     v.name: v
@@ -63,9 +67,12 @@ STUDY_VARIANTS: dict[str, StudyVariant] = {
                      "(no block is replaced: p = 0 throughout)", ("model.replacement_probability=0.0",)),
         StudyVariant("dspine_pruned_vocab", f"DSpine with a pruned {PRUNED_VOCAB}-token draft "
                      "vocabulary", (f"model.draft_vocab_size={PRUNED_VOCAB}",)),
-        # optional: warm start of the draft layers from target layers (faststep's setting)
-        StudyVariant("dspine_warm_start", "DSpine with its layers warm-started from the target's",
-                     ("model.warm_start_from_target=true",), optional=True),
+        # optional: the draft's layers start as copies of the target's last two layers (the
+        # ones that turn deep states into the head's input, as the draft's layers must)
+        StudyVariant("dspine_warm_start", "DSpine with its 2 layers warm-started from target "
+                     f"layers {WARM_START_LAYERS}",
+                     (f"model.warm_start_layers=[{','.join(map(str, WARM_START_LAYERS))}]",),
+                     optional=True),
     )
 }
 REFERENCE = "dspine"

@@ -135,6 +135,13 @@ class ModelConfig:
             backbone, with DSpine's own parts at their init and this recipe's method and
             attention; the structure fields the recipe leaves unset are the checkpoint's:
             `dspine_train.training.warm_start`).
+        warm_start_layers: one target layer index per draft layer (off: None): draft layer i
+            starts as a copy of target decoder layer `warm_start_layers[i]` (attention, q/k
+            norms, MLP, the two RMSNorms; read from the target's safetensors, so it works with
+            offline features), the DSpine-only parts at their seeded init
+            (`dspine_train.training.layer_warm_start`). A training-time init like `init_from`
+            (not recorded in the export: the draft it gives has the same architecture);
+            exclusive with `init_from`.
         used_vocab_size: ids the target's tokenizer uses (`len(tokenizer)`; the mask token and
             `target_vocab_size` of the export follow from it). None: read from the tokenizer
             files in `target_path`, which a target then must have. Set it for a target
@@ -154,6 +161,7 @@ class ModelConfig:
     tiny_random_target: bool = False
     token_table_path: str | None = None
     init_from: str | None = None
+    warm_start_layers: list[int] | None = None
     used_vocab_size: int | None = None
 
     def draft_overrides(self) -> dict[str, Any]:
@@ -442,6 +450,9 @@ def validate_config(config: TrainConfig) -> None:
         raise ConfigError(  # the other formats carry no draft-to-target id map
             f"model.draft_vocab_size: a pruned draft exports only with export.format: dspine, "
             f"not {config.export.format.value}")
+    if config.model.warm_start_layers is not None and config.model.init_from:
+        raise ConfigError("model.warm_start_layers and model.init_from are two init sources for "
+                          "the draft: set one of them")
     if config.data.target_topk < 0:
         raise ConfigError(f"data.target_topk must be >= 0, got {config.data.target_topk}")
     if config.model.target_dtype not in ("bfloat16", "float16", "float32"):

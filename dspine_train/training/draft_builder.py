@@ -16,9 +16,16 @@ from transformers import PretrainedConfig
 from ..formats import load_draft
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..token_table import TokenTable, build_token_table
-from . import warm_start
+from . import layer_warm_start, warm_start
 from .config import ModelConfig
 from .errors import TrainingError
+
+
+def _check_one_init_source(model_cfg: ModelConfig) -> None:
+    """`model.warm_start_layers` and `model.init_from` both initialise the draft: one only."""
+    if model_cfg.warm_start_layers is not None and model_cfg.init_from:
+        raise TrainingError("model.warm_start_layers and model.init_from are two init sources "
+                            "for the draft: set one of them")
 
 
 def draft_config_for(
@@ -32,6 +39,7 @@ def draft_config_for(
     With `model.init_from` a DFlash checkpoint, its structure fills the fields the recipe leaves
     unset and must agree with the ones it sets, and it must have been made for this target
     (`warm_start`)."""
+    _check_one_init_source(model_cfg)
     overrides = model_cfg.draft_overrides()
     checkpoint = warm_start.dflash_checkpoint(model_cfg.init_from)
     if checkpoint is not None:
@@ -45,6 +53,8 @@ def draft_config_for(
                             f"{err}") from err
     if checkpoint is not None:
         warm_start.check_target_fields(config, checkpoint, model_cfg.init_from)
+    if model_cfg.warm_start_layers is not None:
+        layer_warm_start.check_layer_choice(list(model_cfg.warm_start_layers), config)
     config.target_name_or_path = model_cfg.target_path
     return config
 
@@ -86,12 +96,16 @@ def build_draft(
     table: TokenTable,
     target_config: PretrainedConfig,
     seed: int,
+    log: Callable[[str], None] | None = None,
 ) -> DSpineDraftModel:
     """A fresh draft (seeded, token codes and readouts from `table`), or `model.init_from`.
 
     `init_from` a DSpine export: that draft, as exported. A DFlash checkpoint: the fresh draft
     of `config` (built by `draft_config_for`) with the checkpoint's backbone (`warm_start`).
+    `model.warm_start_layers`: the fresh draft with its decoder layers copied from those target
+    layers (`layer_warm_start`); `log` receives the line saying what was copied.
     """
+    _check_one_init_source(model_cfg)
     dflash_init = warm_start.dflash_checkpoint(model_cfg.init_from) is not None
     if model_cfg.init_from and not dflash_init:
         try:
@@ -105,4 +119,9 @@ def build_draft(
     draft.init_token_table(table)
     if dflash_init:
         warm_start.load_backbone(draft, model_cfg.init_from)
+    if model_cfg.warm_start_layers is not None:
+        line = layer_warm_start.copy_target_layers(draft, model_cfg.target_path,
+                                                   list(model_cfg.warm_start_layers))
+        if log is not None:
+            log(line)
     return draft

@@ -141,7 +141,8 @@ class Trainer:
             self.token_table_path, head, inputs.draft_config.transfer_dim, self.is_main,
             acc.wait_for_everyone,
         )
-        draft = build_draft(m, inputs.draft_config, table, inputs.target_config, cfg.seed)
+        draft = build_draft(m, inputs.draft_config, table, inputs.target_config, cfg.seed,
+                            log=print if self.is_main else None)
         if draft.config.draft_vocab_size is not None and (
                 not m.init_from or warm_start.dflash_checkpoint(m.init_from) is not None):
             line = prune_draft_vocab(draft, inputs.train, inputs.eval,
