@@ -98,7 +98,7 @@ def test_the_study_variant_composes():
     assert config.model.warm_start_layers == [22, 23]
 
 
-@pytest.mark.slow  # one feature-cache pass and one DeepSpeed run of the tiny recipe (~40 s)
+@pytest.mark.slow  # one feature-cache pass and one DeepSpeed run of the tiny recipe (~20 s)
 def test_train_py_with_offline_features_starts_from_the_target_layers(tiny_assets, tmp_path):
     """Offline features (the trainer never builds the target), one step at lr 0: the exported
     draft's layers are the target's layers 3 and 0, read from its safetensors."""
