@@ -69,15 +69,13 @@ def lattice(
 
 
 def greedy_indices(table: torch.Tensor) -> torch.Tensor:
-    """Candidate indices `(B, T)` of the greedy chain: the row argmax walk of `walk_table`."""
-    batch, slots, k, _ = table.shape
-    prev = torch.zeros(batch, dtype=torch.long, device=table.device)
-    out = []
-    for t in range(slots):
-        row = table[:, t].gather(1, prev[:, None, None].expand(batch, 1, k)).squeeze(1)
-        prev = row.argmax(-1)
-        out.append(prev)
-    return torch.stack(out, dim=1)
+    """Candidate indices `(B, T)` of the greedy chain: the chain's own `walk_table` at T=0, run
+    over the candidates' positions 0..K-1 instead of their token ids."""
+    from dspine_train.modeling.transition_cache import walk_table
+
+    k = table.shape[-1]
+    positions = torch.arange(k, device=table.device).expand(*table.shape[:-2], k)
+    return walk_table(table, positions, k).tokens
 
 
 def top_paths(table: torch.Tensor, num_paths: int, depth: int) -> torch.Tensor:
