@@ -153,7 +153,7 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
     if engine is None:
         engine = build_engine(target, draft, loaded, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, device=device,
-                              tree_nodes=_tree_width(tree_paths, tree_nodes, draft))
+                              tree_paths=tree_paths, tree_nodes=tree_nodes)
     if engine.draft is None:
         raise BenchmarkError("the engine has no draft to evaluate")
     g = engine.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
@@ -203,22 +203,13 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
     return results
 
 
-def _tree_width(paths: int, nodes: int | None, draft: str | Path) -> int:
-    """Nodes a tree round of this budget verifies (0 for the chain), for the cache headroom."""
-    if paths <= 1:
-        return 0
-    if nodes is not None:
-        return int(nodes)
-    config = Path(draft) / "config.json"
-    block = int(json.loads(config.read_text()).get("block_size", 16)) if config.is_file() else 16
-    return paths * (block - 1)
-
 
 def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchmark], *,
                  max_new_tokens: int, batch_size: int = 1, device: str | None = None,
-                 tree_nodes: int = 0) -> Any:
+                 tree_paths: int = 1, tree_nodes: int | None = None) -> Any:
     """An `Engine` for ``target`` + ``draft`` with caches just long enough for ``benches``
-    (and for a verified round of ``tree_nodes`` tree nodes, where that is wider than a block)."""
+    (and for a verified round of a token tree of that budget, where it is wider than a block:
+    ``tree_nodes``, by default ``tree_paths`` x (block - 1))."""
     from transformers import AutoTokenizer
 
     from dspine_train.engine import Engine
@@ -234,9 +225,10 @@ def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchm
     longest = max(len(ids) for bench in benches
                   for ids in encode_messages(tokenizer, bench.prompts, kwargs))
     block = int(draft_config.get("block_size", 16))
+    width = 0 if tree_paths <= 1 else (tree_nodes or tree_paths * (block - 1))
     return Engine.from_pretrained(target, draft, device=device, tokenizer=tokenizer,
                                   max_batch_size=batch_size,
-                                  max_seq_len=longest + max_new_tokens + max(block, tree_nodes) + 1)
+                                  max_seq_len=longest + max_new_tokens + max(block, width) + 1)
 
 
 # ---------------------------------------------------------------------------------- reports
