@@ -35,8 +35,8 @@ def tiny_settings(tmp_path: Path, tiny_assets: dict | None = None, **kw) -> Stud
     if tiny_assets is not None:
         overrides = [f"model.target_path={tiny_assets['target']}",
                      f"data.train_path={tiny_assets['data']}"]
-    return StudySettings(out_dir=tmp_path / "study", recipe="tiny", steps=12,
-                         overrides=overrides, **kw)
+    kw.setdefault("steps", 12)
+    return StudySettings(out_dir=tmp_path / "study", recipe="tiny", overrides=overrides, **kw)
 
 
 def test_a_variant_with_an_unknown_key_fails_by_name_before_training(
@@ -211,3 +211,121 @@ def test_paired_curve_reads_the_same_blocks_at_each_step(tmp_path: Path) -> None
     paired = paired_by_step(tmp_path / "v", tmp_path / "ref")
     assert list(paired) == [250]
     assert paired[250]["diff"] == pytest.approx(np.mean([-2, -1, -1, 0, 0, -1]))
+
+
+# ------------------------------------------------------------------ what a session keeps
+def test_finished_variants_are_archived_and_a_new_session_skips_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh checkout keeps only the archive: the next session trains nothing archived,
+    rewrites the same report from it, and refuses an archive made for another request."""
+    trained: list[str] = []
+    per_block = {"dspine": [3, 2, 1, 2, 0, 1], "dflash": [1, 1, 0, 2, 0, 0]}
+
+    def fake_train(settings, variant):
+        trained.append(variant.name)
+        blocks(per_block[variant.name]).save(
+            settings.run_dir(variant) / study.EVAL_BLOCKS_DIR / "step0000006.npz")
+
+    def fake_evaluate(settings, variant, target):
+        result = blocks(per_block[variant.name])
+        result.save(settings.run_dir(variant) / study.BLOCKS_FILE)
+        return {"simulated": result.summary(), "engine": []}
+
+    def fake_record(settings, variant, result):
+        rec = record(variant.name, blocks(per_block[variant.name]), None)
+        rec["simulated"] = result["simulated"]
+        return rec
+
+    monkeypatch.setattr(study, "train_with_sessions", fake_train)
+    monkeypatch.setattr(study, "evaluate_final", fake_evaluate)
+    monkeypatch.setattr(study, "variant_record", fake_record)
+    monkeypatch.setattr(study, "check_variant_overrides", lambda *a: None)
+    monkeypatch.setattr(study, "ensure_features", lambda *a: None)
+    monkeypatch.setattr(study, "data_meta", lambda *a: None)
+    monkeypatch.setattr(study, "study_request",
+                        lambda settings, v: {"train": [f"optim.max_steps={settings.steps}"]})
+    variants = [StudyVariant("dspine", "ref"), StudyVariant("dflash", "baseline")]
+    archive = tmp_path / "committed"
+
+    def session(name: str, steps: int = 12) -> list[Path]:
+        settings = tiny_settings(tmp_path / name, plan_steps=0, archive_dir=archive, steps=steps)
+        return study.run_study(settings, variants, target="t")
+
+    first = session("session1")
+    assert trained == ["dspine", "dflash"]
+    saved = json.loads((archive / "dflash" / study.RECORD_FILE).read_text())
+    assert saved["request"] == {"train": ["optim.max_steps=12"]} and "commit" in saved["session"]
+    assert (archive / "dflash" / "eval_blocks" / "step0000006.npz").is_file()
+    report = json.loads(first[1].read_text())["variants"]
+    expected = paired_difference(blocks(per_block["dflash"]), blocks(per_block["dspine"]))
+    assert report[1]["paired_vs_reference"] == pytest.approx(expected)
+    assert report[1]["paired_curve"]["6"] == pytest.approx(expected)
+
+    second = session("session2")  # a new checkout: no run directories, the same archive
+    assert trained == ["dspine", "dflash"]  # nothing trained again
+    again = json.loads(second[1].read_text())["variants"]
+    assert again == report  # the same report, from the archive alone
+    with pytest.raises(StudyError, match="archived for another request.*max_steps=12"):
+        session("session3", steps=13)
+
+
+def test_answers_are_packed_once_and_restored_on_a_fresh_checkout(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from data_prep.backends import backend_identity
+    from data_prep.regenerate import SETTINGS_FILE
+    from data_prep.shards import read_done_ids
+    from dspine_train.ablation.study_data import (
+        StudyDataSettings,
+        archive_answers,
+        greedy_job,
+        restore_answers,
+    )
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "assembly.json").write_text(json.dumps({"gguf_sha256": "ab", "dtype": "bf16",
+                                                      "conversion_version": 2}))
+    answers = tmp_path / "committed" / "answers"
+
+    def data_dir(name: str) -> StudyDataSettings:
+        settings = StudyDataSettings(data_dir=tmp_path / name, target=target,
+                                     answers_dir=answers)
+        prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"}]}
+                   for i in range(3)]
+        settings.path("prompts").mkdir(parents=True)
+        settings.path("prompts", "train.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in prompts))
+        return settings
+
+    first = data_dir("first")
+    done = first.path("regenerated", "train")
+    done.mkdir(parents=True)
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                         {"role": "assistant", "content": f"a{i}"}]}
+            for i in (2, 0, 1)]
+    (done / "part-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    (done / "part-00001.jsonl").write_text(json.dumps(rows[2]) + "\n")
+
+    job = greedy_job(first, "train").regenerate
+    (done / SETTINGS_FILE).write_text(json.dumps(
+        {**backend_identity(job), "sampling": asdict(job.sampling)}, default=str))
+    packed = archive_answers(first, "train", {"wall_s_total": 4800.0})
+    assert packed == answers / "train.jsonl.gz"
+    assert archive_answers(first, "train", {"wall_s_total": 1.0}) is None  # packed once
+    manifest = json.loads((answers / "manifest.json").read_text())
+    assert manifest["parts"]["train"]["rows"] == 3
+    assert manifest["parts"]["train"]["stage"] == {"wall_s_total": 4800.0}
+
+    fresh = data_dir("fresh")
+    restored = restore_answers(fresh, "train")
+    assert restored is not None and restored["wall_s_total"] == 4800.0
+    assert read_done_ids(fresh.path("regenerated", "train")) == {"p0", "p1", "p2"}
+    assert restore_answers(fresh, "train") is None  # answers exist there now: nothing to do
+
+    other = data_dir("other_target")
+    (target / "assembly.json").write_text(json.dumps({"gguf_sha256": "cd", "dtype": "bf16",
+                                                      "conversion_version": 2}))
+    with pytest.raises(RuntimeError, match="another target"):
+        restore_answers(other, "train")
+    assert not other.path("regenerated", "train").exists()  # nothing half-written

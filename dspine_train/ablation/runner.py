@@ -336,8 +336,12 @@ def evaluate_variant(
     return result
 
 
-def harness_evaluator(target: str, settings: AblationSettings) -> Callable[[Path], list[dict]]:
+def harness_evaluator(target: str, settings: AblationSettings,
+                      ar_cache: dict | None = None) -> Callable[[Path], list[dict]]:
     """`export_dir -> [BenchResult as dict]`: the evaluation harness on one draft export.
+
+    `ar_cache`: shared by the calls of one process on one machine, so plain decoding (which
+    does not depend on the draft) runs once per benchmark (`eval_harness.evaluate`).
 
     A failure (bad benchmark, incompatible draft, a prompt the caches cannot hold) becomes an
     `AblationError` naming the export.
@@ -357,6 +361,7 @@ def harness_evaluator(target: str, settings: AblationSettings) -> Callable[[Path
                 max_new_tokens=settings.max_new_tokens,
                 num_draft_tokens=settings.num_draft_tokens, measure_ar=settings.measure_ar,
                 seed=settings.eval_seed, batch_size=settings.eval_batch_size,
+                ar_cache=ar_cache,
             )
         except (eval_harness.BenchmarkError, CheckpointError, IncompatibleDraftError,
                 GenerationInputError, ValueError) as err:

@@ -13,10 +13,20 @@ Layout of a study directory `<out>/` (`artifacts/study/run` by default):
                               engine tau on held-out prompts with the lossless check
     report.{md,json,png}      rewritten after every finished variant (also `--report-stem`)
 
-A rerun skips finished variants (a `result.json` for the same export), resumes a killed one
-from its last checkpoint (`checkpoint.resume_from=latest`: the trainer's exact resume) and
-appends each finished variant to the report. Nothing here depends on the study's size: the
-smoke run (`scripts/study.py run --smoke`) is the same code on a few steps.
+The *archive* (`<out>/archive` by default; the real study's is committed under
+`docs/results/`, because a working session keeps only what is committed) holds what the
+report needs of each finished variant and nothing machine-specific:
+
+    <archive>/<variant>/record.json          the report's record of the variant, with the
+                                             request it answers (`study_request`)
+    <archive>/<variant>/simulated_blocks.npz the final per-block results (paired differences)
+    <archive>/<variant>/eval_blocks/*.npz    the per-block results of each periodic evaluation
+
+A rerun skips archived variants (refusing one archived with another request), archives a
+variant finished here but not archived yet (its `result.json` for the same export), resumes a
+killed one from its last checkpoint (`checkpoint.resume_from=latest`: the trainer's exact
+resume), and rewrites the report from every archived variant. Nothing here depends on the
+study's size: the smoke run (`scripts/study.py run --smoke`) is the same code on a few steps.
 """
 
 from __future__ import annotations
@@ -49,6 +59,14 @@ RESULT_FILE = "result.json"
 SESSIONS_FILE = "sessions.json"
 PLAN_FILE = "plan.json"
 BLOCKS_FILE = "simulated_blocks.npz"
+RECORD_FILE = "record.json"
+EVAL_BLOCKS_DIR = "eval_blocks"
+# plain decoding of the engine evaluation's prompts, run once per process: it does not depend
+# on the draft, and the variants of one session run alone on one machine
+PLAIN_DECODING: dict = {}
+# train.py arguments that name this machine's paths, not what is trained (left out of requests)
+PATH_ARGUMENTS = ("output_dir=", "model.target_path=", "data.train_path=",
+                  "data.offline_features_dir=")
 
 
 class StudyError(AblationError):
@@ -69,6 +87,8 @@ class StudySettings(AblationSettings):
         plan_steps: steps of the short run that measures each variant's s/step.
         report_stem: the report's path without suffix (default `<out_dir>/report`).
         command: the command line recorded in the report.
+        archive_dir: where finished variants are archived (module docstring; default
+            `<out_dir>/archive`).
     """
 
     eval_every: int = 250
@@ -78,6 +98,7 @@ class StudySettings(AblationSettings):
     plan_steps: int = 4
     report_stem: Path | None = None
     command: str = ""
+    archive_dir: Path | None = None
 
     def train_arguments(self, variant: Any) -> list[str]:
         """The `train.py` arguments of a variant (its overrides come last and win)."""
@@ -101,6 +122,15 @@ class StudySettings(AblationSettings):
     def report_path(self) -> Path:
         """Report path without suffix."""
         return self.report_stem or self.out_dir / "report"
+
+    @property
+    def archive(self) -> Path:
+        """The archive of finished variants."""
+        return self.archive_dir or self.out_dir / "archive"
+
+    def archived_dir(self, variant: Any) -> Path:
+        """A variant's directory in the archive."""
+        return self.archive / variant.name
 
 
 # ------------------------------------------------------------------------- variant checks
@@ -290,7 +320,8 @@ def evaluate_final(settings: StudySettings, variant: StudyVariant, target: str) 
     blocks.save(run_dir / BLOCKS_FILE)
     simulated_s = time.perf_counter() - start
     start = time.perf_counter()
-    engine = harness_evaluator(target, settings)(export) if settings.limit > 0 else []
+    engine = (harness_evaluator(target, settings, PLAIN_DECODING)(export) if settings.limit > 0
+              else [])
     result = {
         "variant": variant.name,
         "weights_mtime_ns": (export / "model.safetensors").stat().st_mtime_ns,
@@ -327,8 +358,8 @@ def curve(run_dir: Path) -> list[dict[str, Any]]:
 def paired_by_step(run_dir: Path, reference_dir: Path) -> dict[int, dict[str, float]]:
     """Paired difference to the reference at every evaluation both ran on the same blocks."""
     out = {}
-    for path in sorted((run_dir / "eval_blocks").glob("step*.npz")):
-        other = reference_dir / "eval_blocks" / path.name
+    for path in sorted((run_dir / EVAL_BLOCKS_DIR).glob("step*.npz")):
+        other = reference_dir / EVAL_BLOCKS_DIR / path.name
         if other.is_file():
             try:
                 out[int(path.stem[4:])] = paired_difference(BlockResults.load(path),
@@ -340,7 +371,8 @@ def paired_by_step(run_dir: Path, reference_dir: Path) -> dict[int, dict[str, fl
 
 def variant_record(settings: StudySettings, variant: StudyVariant,
                    result: dict[str, Any]) -> dict[str, Any]:
-    """Everything the report shows about one finished variant."""
+    """Everything the report shows about one finished variant (paired differences are added
+    from the archive when the report is written: `with_pairs`)."""
     from ..training.tracking import read_metrics
     from .report import final_losses
     from .simulated import load_run_config
@@ -348,25 +380,90 @@ def variant_record(settings: StudySettings, variant: StudyVariant,
     run_dir = settings.run_dir(variant)
     config = load_run_config(run_dir / RUN_CONFIG)
     history = read_metrics(run_dir / "metrics.jsonl")
-    reference = settings.run_dir(StudyVariant(REFERENCE, ""))
-    record: dict[str, Any] = {
+    return {
         "variant": variant.name, "description": variant.description,
         "overrides": list(variant.overrides),
         "steps": config.optim.max_steps, "seed": config.seed,
-        "batch_size": config.data.batch_size, "block_size": len(result["simulated"]["acceptance_by_position"]) + 1,
+        "batch_size": config.data.batch_size, "precision": config.precision.value,
+        "block_size": len(result["simulated"]["acceptance_by_position"]) + 1,
         "train_wall_s": training_wall_s(run_dir), "sessions": len(_sessions(run_dir)),
         "final_losses": final_losses(history, config.optim.max_steps),
         "curve": curve(run_dir), "simulated": result["simulated"], "engine": result["engine"],
+        "engine_wall_s": result.get("engine_wall_s"),
     }
-    ref_blocks = reference / BLOCKS_FILE
-    if variant.name != REFERENCE and ref_blocks.is_file():
-        try:
-            record["paired_vs_reference"] = paired_difference(
-                BlockResults.load(run_dir / BLOCKS_FILE), BlockResults.load(ref_blocks))
-        except ValueError as err:
-            record["paired_vs_reference"] = {"error": str(err)}
-        record["paired_curve"] = {str(k): v for k, v in paired_by_step(run_dir, reference).items()}
+
+
+def with_pairs(settings: StudySettings, record: dict[str, Any]) -> dict[str, Any]:
+    """The record plus its paired differences to the reference (final blocks and every
+    periodic evaluation), read from the archive's per-block results."""
+    if record["variant"] == REFERENCE:
+        return record
+    own, reference = settings.archive / record["variant"], settings.archive / REFERENCE
+    if not (reference / BLOCKS_FILE).is_file():
+        return record  # the reference is not finished yet
+    out = dict(record)
+    try:
+        out["paired_vs_reference"] = paired_difference(BlockResults.load(own / BLOCKS_FILE),
+                                                       BlockResults.load(reference / BLOCKS_FILE))
+    except ValueError as err:
+        out["paired_vs_reference"] = {"error": str(err)}
+    out["paired_curve"] = {str(k): v for k, v in paired_by_step(own, reference).items()}
+    return out
+
+
+# ------------------------------------------------------------------------- the archive
+def study_request(settings: StudySettings, variant: StudyVariant) -> dict[str, Any]:
+    """What decides a variant's archived result, without this machine's paths: its `train.py`
+    arguments, the final evaluation's settings and the study data's rows and tokens."""
+    from .report import data_summary
+
+    config = compose_train_config(settings.shared_overrides())
+    engine = dict(settings.evaluation_request())
+    engine["benches"] = [Path(b).name for b in engine["benches"]]
+    return {"train": [a for a in settings.train_arguments(variant)
+                      if not a.startswith(PATH_ARGUMENTS)],
+            "final_max_blocks": settings.final_max_blocks, "engine": engine,
+            "data": data_summary(config.data.train_path)}
+
+
+def archived_record(settings: StudySettings, variant: StudyVariant,
+                    request: dict[str, Any]) -> dict[str, Any] | None:
+    """The variant's archived record, or None when it is not archived.
+
+    Raises `StudyError` when it was archived for another request (naming what differs): its
+    result would not be this study's.
+    """
+    path = settings.archived_dir(variant) / RECORD_FILE
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    archived = record.get("request", {})
+    if archived != request:
+        changed = [f"{k}: {archived.get(k)!r} -> {request[k]!r}" for k in request
+                   if archived.get(k) != request[k]]
+        raise StudyError(f"{path}: {variant.name} was archived for another request "
+                         f"({'; '.join(changed)}); run with that request, or delete "
+                         f"{path.parent} to redo the variant")
     return record
+
+
+def archive_variant(settings: StudySettings, variant: StudyVariant, record: dict[str, Any],
+                    request: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Copy a finished variant's record and per-block results into the archive (the record
+    last, so an interrupted copy leaves the variant unarchived)."""
+    from ..checkpoint_io import write_json_atomic
+
+    run_dir, target = settings.run_dir(variant), settings.archived_dir(variant)
+    shutil.rmtree(target, ignore_errors=True)
+    (target / EVAL_BLOCKS_DIR).mkdir(parents=True)
+    shutil.copy2(run_dir / BLOCKS_FILE, target / BLOCKS_FILE)
+    for path in sorted((run_dir / EVAL_BLOCKS_DIR).glob("step*.npz")):
+        shutil.copy2(path, target / EVAL_BLOCKS_DIR / path.name)
+    session = {k: meta.get(k) for k in ("commit", "dirty", "machine", "date", "command")}
+    session["s_per_step_plan"] = meta.get("plan", {}).get(variant.name, {}).get("s_per_step")
+    write_json_atomic(target / RECORD_FILE, dict(record, request=request, session=session),
+                      default=str)
+    return target
 
 
 def machine() -> dict[str, Any]:
@@ -412,7 +509,9 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     check_variant_overrides(settings, variants)
     ensure_features(settings)
-    plan = measure_plan(settings, variants, lambda v: finished_result(settings, v) is not None)
+    plan = measure_plan(settings, variants, lambda v: (
+        (settings.archived_dir(v) / RECORD_FILE).is_file()
+        or finished_result(settings, v) is not None))
     for line in plan_lines(settings, variants, plan):
         print(f"[study] {line}", flush=True)
     commit, dirty = git_commit(REPO)
@@ -422,18 +521,25 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     done_now = 0
     written: list[Path] = []
+    requests = {v.name: study_request(settings, v) for v in variants}
     for variant in variants:
-        result = finished_result(settings, variant)
-        if result is None:
-            train_with_sessions(settings, variant)
-            print(f"[study] {variant.name}: final evaluation", flush=True)
-            result = evaluate_final(settings, variant, target)
-            done_now += 1
+        request = requests[variant.name]
+        if archived_record(settings, variant, request) is not None:
+            print(f"[study] {variant.name}: archived in {settings.archived_dir(variant)}, "
+                  "skipping", flush=True)
         else:
-            print(f"[study] {variant.name}: finished, skipping", flush=True)
-        # the report grows by each finished variant (reference first when it is finished)
-        records = [variant_record(settings, v, r) for v in variants
-                   if (r := finished_result(settings, v)) is not None]
+            result = finished_result(settings, variant)
+            if result is None:
+                train_with_sessions(settings, variant)
+                print(f"[study] {variant.name}: final evaluation", flush=True)
+                result = evaluate_final(settings, variant, target)
+            done_now += 1
+            where = archive_variant(settings, variant, variant_record(settings, variant, result),
+                                    request, meta)
+            print(f"[study] {variant.name}: archived in {where}", flush=True)
+        # the report grows by each archived variant (in the variants' order)
+        records = [with_pairs(settings, r) for v in variants
+                   if (r := archived_record(settings, v, requests[v.name])) is not None]
         written = write_study_report(records, meta, settings.report_path)
         print(f"[study] report: {settings.report_path}.md ({len(records)} variant(s))",
               flush=True)
@@ -441,4 +547,3 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
             print(f"[study] stopping after {done_now} variant(s) (--stop-after)")
             break
     return written
-

@@ -21,6 +21,9 @@ from .study_data import StudyDataSettings, prepare
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO / "artifacts" / "study"
 TARGET_NAME = "qwen2.5-coder-0.5b"
+# What a session must keep of the study is committed here: the target's answers and the
+# archived variants (a working session keeps nothing else); the report lies beside it.
+RECORD_DIR = REPO / "docs" / "results" / f"study_{TARGET_NAME}"
 RECIPE = "qwen2.5_coder_0.5b"
 MIN_STEPS = 1500
 MIN_EPOCHS = 3.0
@@ -43,12 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
                       choices=("bfloat16", "float32", "float16"))
     data.add_argument("--regen-batch-size", type=int, default=16)
     data.add_argument("--stages", default="prompts,regenerate,tokenize,features")
+    data.add_argument("--answers", type=Path, default=RECORD_DIR / "answers",
+                      help="answers archive: restored instead of regenerating, written after "
+                           "a regeneration (default %(default)s)")
+    data.add_argument("--no-answers-archive", action="store_true",
+                      help="neither restore nor write the answers archive")
     run = sub.add_parser("run", help="train and evaluate the variants, write the report")
     run.add_argument("--variants", default="",
                      help="comma-separated variants (default: every non-optional one)")
     run.add_argument("--steps", type=int, default=0,
                      help=f"optimizer steps (0: max({MIN_STEPS}, {MIN_EPOCHS:g} epochs))")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                     help="training precision of every variant (bf16: bf16 draft with fp32 "
+                          "master weights, as the GPU recipes; the dspine_fp32 row checks it)")
+    run.add_argument("--archive", type=Path, default=None,
+                     help=f"archive of finished variants (default {RECORD_DIR / 'variants'}; "
+                          "the smoke run: <out>/archive)")
     run.add_argument("--out", type=Path, default=None, help="default <root>/run")
     run.add_argument("--report-stem", type=Path, default=None,
                      help="report path without suffix (default docs/results/study_<target>_"
@@ -84,7 +98,9 @@ def data_settings(args: argparse.Namespace) -> StudyDataSettings:
         humaneval_heldout_fraction=getattr(args, "humaneval_heldout_fraction", 0.62),
         max_new_tokens=getattr(args, "max_new_tokens", 256),
         regen_dtype=getattr(args, "regen_dtype", "bfloat16"),
-        regen_batch_size=getattr(args, "regen_batch_size", 16))
+        regen_batch_size=getattr(args, "regen_batch_size", 16),
+        answers_dir=None if getattr(args, "no_answers_archive", False)
+        else getattr(args, "answers", None))
 
 
 def shared_overrides(args: argparse.Namespace, data: StudyDataSettings) -> list[str]:
@@ -96,7 +112,8 @@ def shared_overrides(args: argparse.Namespace, data: StudyDataSettings) -> list[
                 f"data.train_path={demo / 'data' / 'tokenized'}", *extra]
     return [f"model.target_path={args.target}", f"data.train_path={data.train_dataset}",
             # the features come from the same bf16 target that answered the prompts
-            "model.target_dtype=bfloat16", f"data.max_length={data.max_length}", *extra]
+            "model.target_dtype=bfloat16", f"data.max_length={data.max_length}",
+            *([f"precision={args.precision}"] if hasattr(args, "precision") else []), *extra]
 
 
 def default_steps(train_path: Path, batch_size: int) -> int:
@@ -107,9 +124,21 @@ def default_steps(train_path: Path, batch_size: int) -> int:
     return max(MIN_STEPS, math.ceil(MIN_EPOCHS * math.ceil(rows / batch_size)))
 
 
+def started(archive: Path) -> str:
+    """The study's start date (the report's name), recorded in the archive on its first run,
+    so the report keeps one name over the sessions the study spans."""
+    import json
+    import time
+
+    path = archive / "started.json"
+    if not path.is_file():
+        archive.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d")}) + "\n")
+    return json.loads(path.read_text())["date"]
+
+
 def run_command(args: argparse.Namespace) -> int:
     """`run`: the study (or its smoke run)."""
-    import time
 
     from .study import StudyError, StudySettings, compose_train_config, run_study
     from .study_variants import select_study_variants
@@ -137,8 +166,9 @@ def run_command(args: argparse.Namespace) -> int:
     steps = args.steps or default_steps(Path(config.data.train_path), config.data.batch_size)
     benches = ([str(p) for p in data.bench_files().values()] if not args.smoke
                else ["humaneval", "sharegpt"])
-    stem = args.report_stem or (out / "report" if args.smoke else REPO / "docs" / "results" /
-                                f"study_{TARGET_NAME}_{time.strftime('%Y-%m-%d')}")
+    archive = args.archive or (out / "archive" if args.smoke else RECORD_DIR / "variants")
+    stem = args.report_stem or (out / "report" if args.smoke else
+                                RECORD_DIR.parent / f"study_{TARGET_NAME}_{started(archive)}")
     settings = StudySettings(
         out_dir=out, recipe=RECIPE, steps=steps, seed=args.seed,
         overrides=[o for o in overrides if not o.startswith(("recipe=", "seed="))],
@@ -147,6 +177,7 @@ def run_command(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, eval_max_blocks=args.eval_max_blocks,
         final_max_blocks=args.final_max_blocks,
         checkpoint_every=args.checkpoint_every, plan_steps=args.plan_steps, report_stem=stem,
+        archive_dir=archive,
         command=shlex.join([sys.executable, "scripts/study.py", *sys.argv[1:]]))
     run_study(settings, variants, target=str(args.target), stop_after=args.stop_after)
     return 0

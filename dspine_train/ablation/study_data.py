@@ -14,6 +14,13 @@ Layout of a study data directory `<data>/` (`artifacts/study/data` by default):
     meta.json                  settings (dtype of the regeneration included) and wall time of
                                every stage
 
+The target's answers are the expensive part (~80 minutes on 2 cores) and a working session keeps
+nothing but what is committed, so each finished part is also packed into an *answers archive*
+(`<answers_dir>/<part>.jsonl.gz` + `manifest.json`, committed under `docs/results/`). A later
+run on a fresh checkout restores the answers from it instead of regenerating them, after
+checking that the target (its assembly record), the generation settings and the prompt ids
+are the same.
+
 Held-out splits: HumanEval holds out `humaneval_heldout_fraction` (0.62: ~100 of 164 tasks) by
 the data pipeline's stable id hash; ShareGPT keeps its data recipe's split (0.01, seed 0). Both
 use the salt `heldout` and seed 0 of `recipes/data/default_target_*.yaml`, and a larger
@@ -50,6 +57,7 @@ class StudyDataSettings:
         regen_batch_size: answers generated together.
         max_length: tokens per tokenised row (longer rows keep their start).
         seed: the split seed (the data recipes' 0).
+        answers_dir: the answers archive (module docstring); None: neither packed nor restored.
     """
 
     data_dir: Path
@@ -63,6 +71,7 @@ class StudyDataSettings:
     regen_batch_size: int = 16
     max_length: int = 1024
     seed: int = 0
+    answers_dir: Path | None = None
 
     def path(self, *parts: str) -> Path:
         """A path under the data directory."""
@@ -166,19 +175,138 @@ def make_prompts(settings: StudyDataSettings) -> dict[str, Any]:
 
 def regenerate(settings: StudyDataSettings, part: str) -> dict[str, Any]:
     """The target answers every prompt of `part` greedily (resumes: done rows are skipped)."""
-    from data_prep.regenerate import greedy_local_job, run_regeneration, summary_line
+    from data_prep.regenerate import run_regeneration, summary_line
 
-    data = greedy_local_job(
-        settings.path("prompts", f"{part}.jsonl"), settings.target,
-        settings.path("regenerated", part), max_new_tokens=settings.max_new_tokens,
-        batch_size=settings.regen_batch_size, dtype=settings.regen_dtype, shard_size=64)
-    report = run_regeneration(data)
+    report = run_regeneration(greedy_job(settings, part))
     print(summary_line(report), flush=True)
     if report["pending"] or report["failed"]:
         raise RuntimeError(f"regeneration of {part} is incomplete: {summary_line(report)}; "
                            "rerun to resume")
     return {k: report[k] for k in ("input", "done", "failed", "skipped", "completion_tokens",
                                    "done_this_run")} | {"dtype": settings.regen_dtype}
+
+
+ANSWERS_MANIFEST = "manifest.json"
+
+
+def target_identity(target: Path) -> dict[str, Any]:
+    """What identifies the target's weights: the embedded target's assembly record (the GGUF's
+    sha256, conversion version and dtype), else its config.json's architecture and sizes."""
+    assembly = target / "assembly.json"
+    if assembly.is_file():
+        record = json.loads(assembly.read_text())
+        return {k: record.get(k) for k in ("gguf_sha256", "conversion_version", "dtype")}
+    config = json.loads((target / "config.json").read_text())
+    return {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
+                                       "vocab_size", "torch_dtype")}
+
+
+def _generation_settings(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a `regenerate_settings.json` that decide the answers (not the model's path)."""
+    return {k: v for k, v in recorded.items() if k != "model"}
+
+
+def _prompt_ids(settings: StudyDataSettings, part: str) -> list[str]:
+    path = settings.path("prompts", f"{part}.jsonl")
+    return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def archive_answers(settings: StudyDataSettings, part: str, stage: dict[str, Any]) -> Path | None:
+    """Pack a finished part's answers into the archive (skipped when it holds them already).
+
+    Returns the written file, or None when there is no archive or it holds the part.
+    """
+    import gzip
+    import hashlib
+
+    from data_prep.regenerate import SETTINGS_FILE
+    from data_prep.shards import shard_paths
+
+    if settings.answers_dir is None:
+        return None
+    manifest_path = settings.answers_dir / ANSWERS_MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if part in manifest.get("parts", {}):
+        return None
+    source = settings.path("regenerated", part)
+    text = "".join(path.read_text(encoding="utf-8") for path in shard_paths(source))
+    rows = [json.loads(line)["id"] for line in text.splitlines() if line.strip()]
+    if sorted(rows) != sorted(_prompt_ids(settings, part)):
+        raise RuntimeError(f"{source}: the answers do not cover prompts/{part}.jsonl exactly "
+                           f"({len(rows)} answers); not archived")
+    raw = text.encode("utf-8")
+    target = settings.answers_dir / f"{part}.jsonl.gz"
+    from ..checkpoint_io import write_bytes_atomic
+
+    write_bytes_atomic(target, gzip.compress(raw, compresslevel=9, mtime=0))
+    recorded = json.loads((source / SETTINGS_FILE).read_text())
+    manifest.setdefault("target", target_identity(settings.target))
+    manifest.setdefault("parts", {})[part] = {
+        "file": target.name, "rows": len(rows), "sha256": hashlib.sha256(raw).hexdigest(),
+        "generation": _generation_settings(recorded),
+        "stage": {k: v for k, v in stage.items() if k != "restored_from"}}
+    write_json_atomic(manifest_path, manifest)
+    return target
+
+
+def restore_answers(settings: StudyDataSettings, part: str) -> dict[str, Any] | None:
+    """Unpack a part's answers from the archive into `regenerated/<part>/` instead of
+    generating them; None when there is no archive entry or answers exist there already.
+
+    Raises `RuntimeError` naming the archive and what differs (another target, other
+    generation settings, other prompts, a corrupt file): nothing is written then.
+    """
+    import gzip
+    import hashlib
+
+    from data_prep.backends import backend_identity
+    from data_prep.regenerate import SETTINGS_FILE
+    from data_prep.shards import SHARD_PREFIX, SHARD_SUFFIX, shard_paths
+
+    if settings.answers_dir is None:
+        return None
+    manifest_path = settings.answers_dir / ANSWERS_MANIFEST
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    entry = manifest.get("parts", {}).get(part)
+    output = settings.path("regenerated", part)
+    if entry is None or shard_paths(output):
+        return None
+    where = f"answers archive {manifest_path}"
+    if manifest.get("target") != target_identity(settings.target):
+        raise RuntimeError(f"{where}: made with another target ({manifest.get('target')}; "
+                           f"{settings.target}: {target_identity(settings.target)})")
+    job = greedy_job(settings, part)
+    current = json.loads(json.dumps({**backend_identity(job.regenerate),
+                                     "sampling": asdict(job.regenerate.sampling)}, default=str))
+    if entry["generation"] != _generation_settings(current):
+        raise RuntimeError(f"{where}: {part} was generated with {entry['generation']}, this run "
+                           f"asks for {_generation_settings(current)}")
+    raw = gzip.decompress((settings.answers_dir / entry["file"]).read_bytes())
+    if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
+        raise RuntimeError(f"{where}: {entry['file']} does not match its sha256")
+    text = raw.decode("utf-8")
+    ids = [json.loads(line)["id"] for line in text.splitlines() if line.strip()]
+    if sorted(ids) != sorted(_prompt_ids(settings, part)):
+        raise RuntimeError(f"{where}: {part} answers {len(ids)} prompts, not exactly the "
+                           f"{len(_prompt_ids(settings, part))} of prompts/{part}.jsonl")
+    from ..checkpoint_io import write_text_atomic
+
+    output.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(output / SETTINGS_FILE, current)
+    write_text_atomic(output / f"{SHARD_PREFIX}00000{SHARD_SUFFIX}", text)
+    return dict(entry["stage"], restored_from=str(settings.answers_dir / entry["file"]))
+
+
+def greedy_job(settings: StudyDataSettings, part: str) -> Any:
+    """The regeneration job of a part (`data_prep.regenerate.greedy_local_job`)."""
+    from data_prep.regenerate import greedy_local_job
+
+    return greedy_local_job(
+        settings.path("prompts", f"{part}.jsonl"), settings.target,
+        settings.path("regenerated", part), max_new_tokens=settings.max_new_tokens,
+        batch_size=settings.regen_batch_size, dtype=settings.regen_dtype, shard_size=64)
 
 
 def tokenize(settings: StudyDataSettings) -> dict[str, Any]:
@@ -235,9 +363,16 @@ def prepare(settings: StudyDataSettings, *, stages: tuple[str, ...] = ("prompts"
     if "regenerate" in stages:
         for part in ("heldout", "train"):  # held-out first: the evaluation needs it soonest
             stage = f"regenerate_{part}"
-            if stage not in done:
+            if stage in done:
+                result = _read_meta(settings)["stages"][stage]
+            elif (result := restore_answers(settings, part)) is not None:
+                _record_stage(settings, stage, result)
+                print(f"study data: {stage} restored from {result['restored_from']}", flush=True)
+            else:
                 result = _timed(settings, stage, lambda p=part: regenerate(settings, p))
                 print(f"study data: {stage}", result, flush=True)
+            if (packed := archive_answers(settings, part, result)) is not None:
+                print(f"study data: {stage} packed into {packed} (commit it)", flush=True)
     if "tokenize" in stages and "tokenize" not in done:
         print("study data: tokenize", _timed(settings, "tokenize", lambda: tokenize(settings)),
               flush=True)

@@ -152,14 +152,21 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
               "accepted drafts - dspine's); a part contributes measurably only where that "
               "difference lies outside its clustered standard error.", ""]
     plan = meta.get("plan") or {}
-    if plan:
-        lines += ["## Wall-time plan (measured before training)", "",
-                  "| variant | s/step (plan) | train wall | sessions |", "|---|---|---|---|"]
-        by = {r["variant"]: r for r in records}
-        for name, p in plan.items():
+    by = {r["variant"]: r for r in records}
+    names = [*by, *(name for name in plan if name not in by)]
+    if names:
+        lines += ["## Wall time and provenance of each variant", "",
+                  "| variant | precision | s/step (plan) | train wall | sessions | engine eval "
+                  "| commit | finished |", "|---|---|---|---|---|---|---|---|"]
+        for name in names:
             r = by.get(name, {})
-            lines.append(f"| {name} | {_f(p.get('s_per_step'), 2)} | "
-                         f"{_hours(r.get('train_wall_s'))} | {r.get('sessions', '-')} |")
+            session = r.get("session") or {}
+            rate = session.get("s_per_step_plan") or (plan.get(name) or {}).get("s_per_step")
+            commit = (session.get("commit") or "-")[:10]
+            lines.append(f"| {name} | {r.get('precision', '-')} | {_f(rate, 2)} | "
+                         f"{_hours(r.get('train_wall_s'))} | {r.get('sessions', '-')} | "
+                         f"{_hours(r.get('engine_wall_s'))} | `{commit}` | "
+                         f"{session.get('date') or 'not yet'} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -67,6 +67,10 @@ STUDY_VARIANTS: dict[str, StudyVariant] = {
                      "(no block is replaced: p = 0 throughout)", ("model.replacement_probability=0.0",)),
         StudyVariant("dspine_pruned_vocab", f"DSpine with a pruned {PRUNED_VOCAB}-token draft "
                      "vocabulary", (f"model.draft_vocab_size={PRUNED_VOCAB}",)),
+        # the study trains in bf16 (bf16 draft, fp32 master weights: `--precision`); this row
+        # measures what that costs against fp32 (the demo recipe's precision)
+        StudyVariant("dspine_fp32", "DSpine trained in fp32 (the other rows: bf16)",
+                     ("precision=fp32",)),
         # optional: the draft's layers start as copies of the target's last two layers (the
         # ones that turn deep states into the head's input, as the draft's layers must)
         StudyVariant("dspine_warm_start", "DSpine with its 2 layers warm-started from target "
