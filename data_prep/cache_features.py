@@ -97,8 +97,10 @@ def cache_features(cfg: DictConfig) -> list[Path]:
               f"about {size / 2**20:,.1f} MiB of features")
     target = load_target(m.target_path, m.target_dtype, device, m.trust_remote_code)
     extract = TargetFeatureExtractor(target, layer_ids)
-    # the target's distribution, computed once here instead of in every training step
-    topk = (target_head_weights(target)[1], d.target_topk) if d.target_topk > 0 else None
+    # the target's distribution, computed once here instead of in every training step; the
+    # head is cast to float32 once (`target_topk` computes in float32: the same values)
+    topk = ((target_head_weights(target)[1].float(), d.target_topk) if d.target_topk > 0
+            else None)
     written = []
     root.mkdir(parents=True, exist_ok=True)
     write_marker(root, MARKER, TOOL)
