@@ -243,7 +243,7 @@ def test_finished_variants_are_archived_and_a_new_session_skips_them(
     monkeypatch.setattr(study, "ensure_features", lambda *a: None)
     monkeypatch.setattr(study, "data_meta", lambda *a: None)
     monkeypatch.setattr(study, "study_request",
-                        lambda settings, v: {"train": [f"optim.max_steps={settings.steps}"]})
+                        lambda settings, v, data: {"train": [f"optim.max_steps={settings.steps}"]})
     variants = [StudyVariant("dspine", "ref"), StudyVariant("dflash", "baseline")]
     archive = tmp_path / "committed"
 

@@ -412,18 +412,15 @@ def with_pairs(settings: StudySettings, record: dict[str, Any]) -> dict[str, Any
 
 
 # ------------------------------------------------------------------------- the archive
-def study_request(settings: StudySettings, variant: StudyVariant) -> dict[str, Any]:
+def study_request(settings: StudySettings, variant: StudyVariant, data: str) -> dict[str, Any]:
     """What decides a variant's archived result, without this machine's paths: its `train.py`
-    arguments, the final evaluation's settings and the study data's rows and tokens."""
-    from .report import data_summary
-
-    config = compose_train_config(settings.shared_overrides())
+    arguments, the final evaluation's settings and `data`, the study data's rows and tokens
+    (`report.data_summary` of the training data)."""
     engine = dict(settings.evaluation_request())
     engine["benches"] = [Path(b).name for b in engine["benches"]]
     return {"train": [a for a in settings.train_arguments(variant)
                       if not a.startswith(PATH_ARGUMENTS)],
-            "final_max_blocks": settings.final_max_blocks, "engine": engine,
-            "data": data_summary(config.data.train_path)}
+            "final_max_blocks": settings.final_max_blocks, "engine": engine, "data": data}
 
 
 def archived_record(settings: StudySettings, variant: StudyVariant,
@@ -515,13 +512,15 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
     for line in plan_lines(settings, variants, plan):
         print(f"[study] {line}", flush=True)
     commit, dirty = git_commit(REPO)
+    data = data_meta(settings)
     meta = {"target": target, "command": settings.command, "commit": commit, "dirty": dirty,
             "machine": machine(), "settings": {k: str(v) for k, v in vars(settings).items()},
-            "plan": plan, "data": data_meta(settings), "reference": REFERENCE,
+            "plan": plan, "data": data, "reference": REFERENCE,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     done_now = 0
     written: list[Path] = []
-    requests = {v.name: study_request(settings, v) for v in variants}
+    splits = (data or {}).get("splits", "")
+    requests = {v.name: study_request(settings, v, splits) for v in variants}
     for variant in variants:
         request = requests[variant.name]
         if archived_record(settings, variant, request) is not None:

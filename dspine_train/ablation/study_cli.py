@@ -139,7 +139,6 @@ def started(archive: Path) -> str:
 
 def run_command(args: argparse.Namespace) -> int:
     """`run`: the study (or its smoke run)."""
-
     from .study import StudyError, StudySettings, compose_train_config, run_study
     from .study_variants import select_study_variants
 
