@@ -329,3 +329,17 @@ def test_answers_are_packed_once_and_restored_on_a_fresh_checkout(tmp_path: Path
     with pytest.raises(RuntimeError, match="another target"):
         restore_answers(other, "train")
     assert not other.path("regenerated", "train").exists()  # nothing half-written
+
+
+def test_the_feature_digest_changes_with_the_cached_values(tmp_path: Path) -> None:
+    shard = tmp_path / "train" / "shard_00000.safetensors"
+    shard.parent.mkdir()
+    (tmp_path / "train" / "index.json").write_text("{}")
+    shard.write_bytes(b"\x00" * 100 + b"\x01")
+    first = study.features_digest(tmp_path)
+    assert study.features_digest(tmp_path) == first
+    shard.write_bytes(b"\x00" * 100 + b"\x02")
+    assert study.features_digest(tmp_path) != first
+    head_only = study.features_digest(tmp_path, head_bytes=100)
+    shard.write_bytes(b"\x00" * 100 + b"\x01")
+    assert study.features_digest(tmp_path, head_bytes=100) == head_only  # past the head: unread

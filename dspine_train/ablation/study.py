@@ -456,11 +456,28 @@ def archive_variant(settings: StudySettings, variant: StudyVariant, record: dict
     shutil.copy2(run_dir / BLOCKS_FILE, target / BLOCKS_FILE)
     for path in sorted((run_dir / EVAL_BLOCKS_DIR).glob("step*.npz")):
         shutil.copy2(path, target / EVAL_BLOCKS_DIR / path.name)
-    session = {k: meta.get(k) for k in ("commit", "dirty", "machine", "date", "command")}
+    session = {k: meta.get(k) for k in ("commit", "dirty", "machine", "date", "command",
+                                        "features_digest")}
     session["s_per_step_plan"] = meta.get("plan", {}).get(variant.name, {}).get("s_per_step")
     write_json_atomic(target / RECORD_FILE, dict(record, request=request, session=session),
                       default=str)
     return target
+
+
+def features_digest(features_dir: Path, head_bytes: int = 64 << 20) -> str:
+    """A fingerprint of the feature cache's content: sha256 over each split's index and the
+    first `head_bytes` of each shard (the first rows' features). Recorded with every archived
+    variant, so pieces of the study run in different sessions show whether their rebuilt
+    caches hold the same values."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(features_dir.glob("*/*")):
+        if path.name == "index.json" or path.suffix == ".safetensors":
+            with open(path, "rb") as handle:
+                digest.update(path.relative_to(features_dir).as_posix().encode())
+                digest.update(handle.read(head_bytes))
+    return digest.hexdigest()
 
 
 def machine() -> dict[str, Any]:
@@ -516,6 +533,7 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
     meta = {"target": target, "command": settings.command, "commit": commit, "dirty": dirty,
             "machine": machine(), "settings": {k: str(v) for k, v in vars(settings).items()},
             "plan": plan, "data": data, "reference": REFERENCE,
+            "features_digest": features_digest(settings.features_dir),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     done_now = 0
     written: list[Path] = []
