@@ -206,9 +206,13 @@ def _generation_settings(recorded: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in recorded.items() if k != "model"}
 
 
+def _row_ids(jsonl: str) -> list[str]:
+    """The `id` of every row of a JSONL text."""
+    return [json.loads(line)["id"] for line in jsonl.splitlines() if line.strip()]
+
+
 def _prompt_ids(settings: StudyDataSettings, part: str) -> list[str]:
-    path = settings.path("prompts", f"{part}.jsonl")
-    return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()]
+    return _row_ids(settings.path("prompts", f"{part}.jsonl").read_text())
 
 
 def archive_answers(settings: StudyDataSettings, part: str, stage: dict[str, Any]) -> Path | None:
@@ -230,7 +234,7 @@ def archive_answers(settings: StudyDataSettings, part: str, stage: dict[str, Any
         return None
     source = settings.path("regenerated", part)
     text = "".join(path.read_text(encoding="utf-8") for path in shard_paths(source))
-    rows = [json.loads(line)["id"] for line in text.splitlines() if line.strip()]
+    rows = _row_ids(text)
     if sorted(rows) != sorted(_prompt_ids(settings, part)):
         raise RuntimeError(f"{source}: the answers do not cover prompts/{part}.jsonl exactly "
                            f"({len(rows)} answers); not archived")
@@ -287,10 +291,10 @@ def restore_answers(settings: StudyDataSettings, part: str) -> dict[str, Any] | 
     if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
         raise RuntimeError(f"{where}: {entry['file']} does not match its sha256")
     text = raw.decode("utf-8")
-    ids = [json.loads(line)["id"] for line in text.splitlines() if line.strip()]
-    if sorted(ids) != sorted(_prompt_ids(settings, part)):
+    ids, prompts = _row_ids(text), _prompt_ids(settings, part)
+    if sorted(ids) != sorted(prompts):
         raise RuntimeError(f"{where}: {part} answers {len(ids)} prompts, not exactly the "
-                           f"{len(_prompt_ids(settings, part))} of prompts/{part}.jsonl")
+                           f"{len(prompts)} of prompts/{part}.jsonl")
     from ..checkpoint_io import write_text_atomic
 
     output.mkdir(parents=True, exist_ok=True)
