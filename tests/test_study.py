@@ -247,12 +247,18 @@ def test_finished_variants_are_archived_and_a_new_session_skips_them(
     variants = [StudyVariant("dspine", "ref"), StudyVariant("dflash", "baseline")]
     archive = tmp_path / "committed"
 
-    def session(name: str, steps: int = 12) -> list[Path]:
+    def session(name: str, steps: int = 12, only: list | None = None) -> list[Path]:
         settings = tiny_settings(tmp_path / name, plan_steps=0, archive_dir=archive, steps=steps)
-        return study.run_study(settings, variants, target="t")
+        return study.run_study(settings, only or variants, target="t")
 
-    first = session("session1")
+    # a piece run for the reference alone, then one for the baseline alone (`--variants`):
+    # the second piece's report still holds the first piece's row
+    session("session1", only=variants[:1])
+    assert trained == ["dspine"]
+    first = session("session1", only=variants[1:])
     assert trained == ["dspine", "dflash"]
+    assert [r["variant"] for r in json.loads(first[1].read_text())["variants"]] == [
+        "dspine", "dflash"]
     saved = json.loads((archive / "dflash" / study.RECORD_FILE).read_text())
     assert saved["request"] == {"train": ["optim.max_steps=12"]} and "commit" in saved["session"]
     assert (archive / "dflash" / "eval_blocks" / "step0000006.npz").is_file()

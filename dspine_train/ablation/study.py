@@ -53,7 +53,7 @@ from .runner import (
     run_logged,
     train_variant,
 )
-from .study_variants import REFERENCE, StudyVariant
+from .study_variants import REFERENCE, STUDY_VARIANTS, StudyVariant
 
 RESULT_FILE = "result.json"
 SESSIONS_FILE = "sessions.json"
@@ -510,6 +510,17 @@ def data_meta(settings: StudySettings) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------- the study
+def report_variants(settings: StudySettings, variants: Sequence[StudyVariant]
+                    ) -> list[StudyVariant]:
+    """The report's rows: the variants run now plus every other study variant already in the
+    archive, in the report's order (a piece run with `--variants` keeps the earlier rows)."""
+    chosen = {v.name: v for v in variants}
+    rows = [chosen.get(v.name, v) for v in STUDY_VARIANTS.values()]
+    rows += [v for v in variants if v.name not in STUDY_VARIANTS]
+    return [v for v in rows
+            if v.name in chosen or (settings.archived_dir(v) / RECORD_FILE).is_file()]
+
+
 def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
               target: str, stop_after: int | None = None) -> list[Path]:
     """Every variant in turn: plan, train (skip/resume), final evaluation, report.
@@ -538,7 +549,8 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
     done_now = 0
     written: list[Path] = []
     splits = (data or {}).get("splits", "")
-    requests = {v.name: study_request(settings, v, splits) for v in variants}
+    shown = report_variants(settings, variants)
+    requests = {v.name: study_request(settings, v, splits) for v in shown}
     for variant in variants:
         request = requests[variant.name]
         if archived_record(settings, variant, request) is not None:
@@ -555,7 +567,7 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
                                     request, meta)
             print(f"[study] {variant.name}: archived in {where}", flush=True)
         # the report grows by each archived variant (in the variants' order)
-        records = [with_pairs(settings, r) for v in variants
+        records = [with_pairs(settings, r) for v in shown
                    if (r := archived_record(settings, v, requests[v.name])) is not None]
         written = write_study_report(records, meta, settings.report_path)
         print(f"[study] report: {settings.report_path}.md ({len(records)} variant(s))",
