@@ -4,6 +4,7 @@ session wall time, the wall-time plan, and the report writer - on tiny configs, 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from dspine_train.ablation.study import (
     train_with_sessions,
     training_wall_s,
 )
-from dspine_train.ablation.study_report import write_study_report
+from dspine_train.ablation.study_report import conditional_acceptance, write_study_report
 from dspine_train.ablation.study_variants import (
     STUDY_VARIANTS,
     StudyVariant,
@@ -202,6 +203,12 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     assert "misses the aim of 1.6" not in text and "DSpine / DFlash" in text
     saved = json.loads(paths[1].read_text())
     assert [v["variant"] for v in saved["variants"]] == ["dspine", "dflash"]
+    assert "## Findings" not in text  # none given
+
+
+def test_conditional_acceptance_is_where_the_chain_breaks() -> None:
+    rates = conditional_acceptance([0.5, 0.25, 0.0, 0.0])
+    assert rates[:3] == pytest.approx([0.5, 0.5, 0.0]) and math.isnan(rates[3])
 
 
 def test_paired_curve_reads_the_same_blocks_at_each_step(tmp_path: Path) -> None:
@@ -271,6 +278,15 @@ def test_finished_variants_are_archived_and_a_new_session_skips_them(
     assert trained == ["dspine", "dflash"]  # nothing trained again
     again = json.loads(second[1].read_text())["variants"]
     assert again == report  # the same report, from the archive alone
+
+    # `study.py report`: the same rows from the archive alone, with the hand-written findings
+    (tmp_path / study.FINDINGS_FILE).write_text("The baseline accepts less.\n")
+    rewritten = study.rewrite_report(archive, second[0].with_suffix(""))
+    assert json.loads(rewritten[1].read_text())["variants"] == report
+    text = rewritten[0].read_text()
+    assert "## Findings (hand-written" in text and "The baseline accepts less." in text
+    with pytest.raises(StudyError, match="no report to rewrite"):
+        study.rewrite_report(archive, tmp_path / "elsewhere" / "report")
     with pytest.raises(StudyError, match="archived for another request.*max_steps=12"):
         session("session3", steps=13)
 

@@ -60,6 +60,7 @@ SESSIONS_FILE = "sessions.json"
 PLAN_FILE = "plan.json"
 BLOCKS_FILE = "simulated_blocks.npz"
 RECORD_FILE = "record.json"
+FINDINGS_FILE = "findings.md"  # hand-written reading of the report, beside the archive
 EVAL_BLOCKS_DIR = "eval_blocks"
 # plain decoding of the engine evaluation's prompts, run once per process: it does not depend
 # on the draft, and the variants of one session run alone on one machine
@@ -393,12 +394,12 @@ def variant_record(settings: StudySettings, variant: StudyVariant,
     }
 
 
-def with_pairs(settings: StudySettings, record: dict[str, Any]) -> dict[str, Any]:
+def with_pairs(archive: Path, record: dict[str, Any]) -> dict[str, Any]:
     """The record plus its paired differences to the reference (final blocks and every
-    periodic evaluation), read from the archive's per-block results."""
+    periodic evaluation), read from the per-block results in `archive`."""
     if record["variant"] == REFERENCE:
         return record
-    own, reference = settings.archive / record["variant"], settings.archive / REFERENCE
+    own, reference = archive / record["variant"], archive / REFERENCE
     if not (reference / BLOCKS_FILE).is_file():
         return record  # the reference is not finished yet
     out = dict(record)
@@ -509,6 +510,24 @@ def data_meta(settings: StudySettings) -> dict[str, Any] | None:
             "meta": meta}
 
 
+def rewrite_report(archive: Path, stem: Path) -> list[Path]:
+    """Rewrite the report `<stem>.{md,json,png}` from the archive alone (after editing the
+    findings, or to check that the committed report is the archive's): every archived study
+    variant in the report's order, under the header (`meta`) of the report's last piece.
+    Nothing trains or evaluates; the request check is `run`'s."""
+    from .study_report import write_study_report
+
+    previous = stem.with_name(stem.name + ".json")
+    if not previous.is_file():
+        raise StudyError(f"{previous}: no report to rewrite; `study.py run` writes the first")
+    meta = json.loads(previous.read_text())["meta"]
+    records = [with_pairs(archive, json.loads((archive / name / RECORD_FILE).read_text()))
+               for name in STUDY_VARIANTS if (archive / name / RECORD_FILE).is_file()]
+    if not records:
+        raise StudyError(f"{archive}: no archived variant (no */{RECORD_FILE})")
+    return write_study_report(records, meta, stem, archive.parent / FINDINGS_FILE)
+
+
 # ------------------------------------------------------------------------- the study
 def report_variants(settings: StudySettings, variants: Sequence[StudyVariant]
                     ) -> list[StudyVariant]:
@@ -567,9 +586,10 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
                                     request, meta)
             print(f"[study] {variant.name}: archived in {where}", flush=True)
         # the report grows by each archived variant (in the variants' order)
-        records = [with_pairs(settings, r) for v in shown
+        records = [with_pairs(settings.archive, r) for v in shown
                    if (r := archived_record(settings, v, requests[v.name])) is not None]
-        written = write_study_report(records, meta, settings.report_path)
+        written = write_study_report(records, meta, settings.report_path,
+                                     settings.archive.parent / FINDINGS_FILE)
         print(f"[study] report: {settings.report_path}.md ({len(records)} variant(s))",
               flush=True)
         if stop_after is not None and done_now >= stop_after:

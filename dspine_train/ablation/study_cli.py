@@ -1,9 +1,10 @@
-"""Command line of the training study (`scripts/study.py`): `data` and `run`.
+"""Command line of the training study (`scripts/study.py`): `data`, `run` and `report`.
 
     python scripts/study.py data                     # prompts, regeneration, tokens, features
     python scripts/study.py run                      # every variant; finished ones are skipped
     python scripts/study.py run --variants dspine,dflash --stop-after 1   # one piece
     python scripts/study.py run --smoke              # 2 variants x 20 steps on the demo's data
+    python scripts/study.py report                   # rewrite the report (after editing findings.md)
 
 The budget defaults to max(1,500 steps, 3 epochs) at the recipe's batch size.
 """
@@ -86,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--smoke", action="store_true",
                      help="prove the runner: dspine and dflash, 20 steps, on the demo's data "
                           "and features (artifacts/demo), 4 engine prompts x 16 tokens")
+    report = sub.add_parser("report", help="rewrite the report from the archive alone (after "
+                            "editing its findings.md); nothing trains")
+    report.add_argument("--archive", type=Path, default=RECORD_DIR / "variants")
+    report.add_argument("--report-stem", type=Path, default=None,
+                        help="default docs/results/study_<target>_<start date>")
     return p
 
 
@@ -198,6 +204,16 @@ def main(argv: list[str] | None = None) -> int:
                 cache_features(settings, [f"recipe={RECIPE}",
                                           *shared_overrides(args, settings)],
                                args.root / "features")
+        elif args.command == "report":
+            from .study import StudyError, rewrite_report
+
+            if args.report_stem is None and not (args.archive / "started.json").is_file():
+                raise StudyError(f"{args.archive / 'started.json'}: missing, so the report's "
+                                 "name is unknown; pass --report-stem or the study's --archive")
+            stem = args.report_stem or (RECORD_DIR.parent /
+                                        f"study_{TARGET_NAME}_{started(args.archive)}")
+            for path in rewrite_report(args.archive, stem):
+                print(f"wrote {path}")
         else:
             return run_command(args)
     except (AblationError, RuntimeError, ValueError, OSError) as err:

@@ -77,8 +77,17 @@ def aim_lines(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The report as markdown: setting, final table, per-position acceptance, curves."""
+def conditional_acceptance(rates: list[float]) -> list[float]:
+    """P(draft k accepted | drafts 1..k-1 accepted) from the shares of blocks accepting the
+    first k drafts (NaN where no block got that far)."""
+    return [rate / prev if prev > 0 else math.nan
+            for prev, rate in zip([1.0, *rates[:-1]], rates)]
+
+
+def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
+             findings: str | None = None) -> str:
+    """The report as markdown: setting, final table, per-position acceptance, curves, and
+    `findings` (the hand-written reading, kept beside the archive) after the mechanical one."""
     lines = [f"# Training study on {meta.get('target', 'the target')} ({meta.get('date', '')})",
              "",
              f"- command: `{meta.get('command', '')}`",
@@ -134,6 +143,13 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in records:
         rates = r["simulated"]["acceptance_by_position"]
         lines.append(f"| {r['variant']} | " + " | ".join(_f(x) for x in rates) + " |")
+    lines += ["", "Conditional acceptance: the share of blocks accepting draft k among those "
+              "that accepted the first k-1 (where the chain breaks).", "",
+              "| variant | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |",
+              "|---|" + "---|" * width]
+    for r in records:
+        rates = conditional_acceptance(r["simulated"]["acceptance_by_position"])
+        lines.append(f"| {r['variant']} | " + " | ".join(_f(x) for x in rates) + " |")
     lines += ["", "## Learning curves (periodic evaluation on a fixed uniform draw of "
               "held-out blocks)", "",
               "| variant | step | tau ± SE (by row) | vs dspine (paired) | coverage (train) "
@@ -151,6 +167,9 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
               "Each paired difference is the mean over the same held-out blocks of (variant's "
               "accepted drafts - dspine's); a part contributes measurably only where that "
               "difference lies outside its clustered standard error.", ""]
+    if findings:
+        lines += ["## Findings (hand-written from the figures above)", "",
+                  findings.strip(), ""]
     plan = meta.get("plan") or {}
     by = {r["variant"]: r for r in records}
     names = [*by, *(name for name in plan if name not in by)]
@@ -198,13 +217,16 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_study_report(records: list[dict[str, Any]], meta: dict[str, Any],
-                       stem: Path) -> list[Path]:
-    """Write `<stem>.md`, `<stem>.json` and `<stem>.png`; return their paths."""
+                       stem: Path, findings: Path | None = None) -> list[Path]:
+    """Write `<stem>.md`, `<stem>.json` and `<stem>.png`; return their paths. `findings`: a
+    markdown file of hand-written findings, copied into the report when it exists (the report
+    is rewritten after every piece of the study, so the reading lives in its own file)."""
     from ..checkpoint_io import write_text_atomic
 
     stem.parent.mkdir(parents=True, exist_ok=True)
     md, js, png = (stem.with_name(stem.name + suffix) for suffix in (".md", ".json", ".png"))
-    write_text_atomic(md, markdown(records, meta) + "\n")
+    text = findings.read_text() if findings is not None and findings.is_file() else None
+    write_text_atomic(md, markdown(records, meta, text) + "\n")
     write_text_atomic(js, json.dumps({"meta": meta, "variants": records}, indent=2,
                                      default=str) + "\n")
     plot(records, png)
