@@ -176,7 +176,7 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
     if names:
         lines += ["## Wall time and provenance of each variant", "",
                   "| variant | precision | s/step (plan) | train wall | sessions | engine eval "
-                  "| commit | finished |", "|---|---|---|---|---|---|---|---|"]
+                  "| commit | piece started |", "|---|---|---|---|---|---|---|---|"]
         for name in names:
             r = by.get(name, {})
             session = r.get("session") or {}
