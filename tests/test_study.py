@@ -204,6 +204,10 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     saved = json.loads(paths[1].read_text())
     assert [v["variant"] for v in saved["variants"]] == ["dspine", "dflash"]
     assert "## Findings" not in text  # none given
+    # a study row no piece has planned yet is listed too
+    meta["study_variants"] = ["dspine", "dflash", "dspine_no_alignment"]
+    text = write_study_report(records, meta, tmp_path / "docs" / "study_y")[0].read_text()
+    assert "| dspine_no_alignment | - | - | - | - | - | `-` | not yet |" in text
 
 
 def test_conditional_acceptance_is_where_the_chain_breaks() -> None:

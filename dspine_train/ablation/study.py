@@ -521,6 +521,7 @@ def rewrite_report(archive: Path, stem: Path) -> list[Path]:
     if not previous.is_file():
         raise StudyError(f"{previous}: no report to rewrite; `study.py run` writes the first")
     meta = json.loads(previous.read_text())["meta"]
+    meta["study_variants"] = study_variant_names([])
     records = [with_pairs(archive, json.loads((archive / name / RECORD_FILE).read_text()))
                for name in STUDY_VARIANTS if (archive / name / RECORD_FILE).is_file()]
     if not records:
@@ -529,6 +530,12 @@ def rewrite_report(archive: Path, stem: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------- the study
+def study_variant_names(variants: Sequence[StudyVariant]) -> list[str]:
+    """The study's rows in report order: every non-optional variant and the ones chosen."""
+    chosen = {v.name for v in variants}
+    return [name for name, v in STUDY_VARIANTS.items() if not v.optional or name in chosen]
+
+
 def report_variants(settings: StudySettings, variants: Sequence[StudyVariant]
                     ) -> list[StudyVariant]:
     """The report's rows: the variants run now plus every other study variant already in the
@@ -564,6 +571,7 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
             "machine": machine(), "settings": {k: str(v) for k, v in vars(settings).items()},
             "plan": plan, "data": data, "reference": REFERENCE,
             "features_digest": features_digest(settings.features_dir),
+            "study_variants": study_variant_names(variants),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     done_now = 0
     written: list[Path] = []

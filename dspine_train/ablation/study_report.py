@@ -172,7 +172,8 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
                   findings.strip(), ""]
     plan = meta.get("plan") or {}
     by = {r["variant"]: r for r in records}
-    names = [*by, *(name for name in plan if name not in by)]
+    # every row of the study: finished, planned in this piece, or still to come
+    names = list(dict.fromkeys([*by, *plan, *(meta.get("study_variants") or [])]))
     if names:
         lines += ["## Wall time and provenance of each variant", "",
                   "| variant | precision | s/step (plan) | train wall | sessions | engine eval "
