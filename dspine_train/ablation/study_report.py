@@ -138,19 +138,18 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
     lines += ["", "## Acceptance per position (held-out, share of blocks accepting the first k "
               "drafts)", ""]
     width = max((len(r["simulated"]["acceptance_by_position"]) for r in records), default=0)
-    lines += ["| variant | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |",
+    header = ["| variant | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |",
               "|---|" + "---|" * width]
-    for r in records:
-        rates = r["simulated"]["acceptance_by_position"]
-        lines.append(f"| {r['variant']} | " + " | ".join(_f(x) for x in rates) + " |")
-    lines += ["", "Conditional acceptance: the share of blocks accepting draft k among those "
-              "that accepted the first k-1 (where the chain breaks).", "",
-              "| variant | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |",
-              "|---|" + "---|" * width]
-    for r in records:
-        rates = conditional_acceptance(r["simulated"]["acceptance_by_position"])
-        lines.append(f"| {r['variant']} | " + " | ".join(_f(x) for x in rates) + " |")
-    lines += ["", "## Learning curves (periodic evaluation on a fixed uniform draw of "
+    for caption, per_position in (
+            (None, lambda rates: rates),
+            ("Conditional acceptance: the share of blocks accepting draft k among those that "
+             "accepted the first k-1 (where the chain breaks).", conditional_acceptance)):
+        lines += ([caption, ""] if caption else []) + header
+        for r in records:
+            rates = per_position(r["simulated"]["acceptance_by_position"])
+            lines.append(f"| {r['variant']} | " + " | ".join(_f(x) for x in rates) + " |")
+        lines.append("")
+    lines += ["## Learning curves (periodic evaluation on a fixed uniform draw of "
               "held-out blocks)", "",
               "| variant | step | tau ± SE (by row) | vs dspine (paired) | coverage (train) "
               "| loss (train) |", "|---|---|---|---|---|---|"]
