@@ -130,8 +130,9 @@ class ModelConfig:
             first (the `tiny` recipe and CI; never for a real target).
         token_table_path: PCA-whitened token codes (SPEC 2.1); built from the target's lm_head
             and cached here when missing. None: `<output_dir>/token_table.safetensors`.
-        init_from: a draft to start from instead of a fresh draft: a DSpine export (that draft
-            as exported), or a DFlash-format checkpoint such as a published z-lab draft (its
+        init_from: a draft to start from instead of a fresh draft: a DSpine export (its
+            weights and structure; the objective fields this recipe sets are the recipe's:
+            `dspine_train.training.export_init`), or a DFlash-format checkpoint such as a published z-lab draft (its
             backbone, with DSpine's own parts at their init and this recipe's method and
             attention; the structure fields the recipe leaves unset are the checkpoint's:
             `dspine_train.training.warm_start`).

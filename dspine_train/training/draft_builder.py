@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from ..formats import load_draft
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..token_table import TokenTable, build_token_table
-from . import layer_warm_start, warm_start
+from . import export_init, layer_warm_start, warm_start
 from .config import ModelConfig
 from .errors import TrainingError
 
@@ -38,12 +38,18 @@ def draft_config_for(
 
     With `model.init_from` a DFlash checkpoint, its structure fills the fields the recipe leaves
     unset and must agree with the ones it sets, and it must have been made for this target
-    (`warm_start`)."""
+    (`warm_start`). A DSpine export likewise, and its other fields (objective, curriculum,
+    decode) are the recipe's where the recipe sets them (`export_init`)."""
     _check_one_init_source(model_cfg)
     overrides = model_cfg.draft_overrides()
     checkpoint = warm_start.dflash_checkpoint(model_cfg.init_from)
     if checkpoint is not None:
         overrides = warm_start.structure_overrides(overrides, checkpoint, model_cfg.init_from)
+    else:
+        checkpoint = export_init.export_config(model_cfg.init_from)
+        if checkpoint is not None:
+            overrides = export_init.continued_overrides(overrides, checkpoint,
+                                                        model_cfg.init_from)
     try:
         config = DSpineConfig.from_target(
             target_config, tokenizer, used_vocab_size=used_vocab_size, **overrides
@@ -100,8 +106,9 @@ def build_draft(
 ) -> DSpineDraftModel:
     """A fresh draft (seeded, token codes and readouts from `table`), or `model.init_from`.
 
-    `init_from` a DSpine export: that draft, as exported. A DFlash checkpoint: the fresh draft
-    of `config` (built by `draft_config_for`) with the checkpoint's backbone (`warm_start`).
+    `init_from` a DSpine export: a draft of `config` (built by `draft_config_for`: the export's
+    structure, the recipe's objective) holding the export's weights, every one of them. A DFlash
+    checkpoint: the fresh draft of `config` with the checkpoint's backbone (`warm_start`).
     `model.warm_start_layers`: the fresh draft with its decoder layers copied from those target
     layers (`layer_warm_start`); `log` receives the line saying what was copied.
     """
@@ -109,10 +116,12 @@ def build_draft(
     dflash_init = warm_start.dflash_checkpoint(model_cfg.init_from) is not None
     if model_cfg.init_from and not dflash_init:
         try:
-            draft = load_draft(model_cfg.init_from)  # any format: ours, DFlash's, SpecForge's
-            draft.config.validate_for_target(target_config)
+            exported = load_draft(model_cfg.init_from)  # ours or SpecForge's
+            config.validate_for_target(target_config)
         except (OSError, ValueError) as err:
             raise TrainingError(f"model.init_from: {err}") from err
+        draft = DSpineDraftModel(config)
+        draft.load_state_dict(exported.state_dict())  # strict: the same structure
         return draft
     torch.manual_seed(seed)  # the same initial draft on every process and every rerun
     draft = DSpineDraftModel(config)

@@ -98,7 +98,7 @@ def check_target_fields(config: DSpineConfig, checkpoint: DSpineConfig, source: 
                                                      getattr(checkpoint, name))]
     if differ:
         raise TrainingError(
-            f"model.init_from: the DFlash draft {source} was made for another target: "
+            f"model.init_from: the draft {source} was made for another target: "
             + ", ".join(differ)
         )
 
