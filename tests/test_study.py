@@ -22,7 +22,11 @@ from dspine_train.ablation.study import (
     train_with_sessions,
     training_wall_s,
 )
-from dspine_train.ablation.study_report import conditional_acceptance, write_study_report
+from dspine_train.ablation.study_report import (
+    conditional_acceptance,
+    target_title,
+    write_study_report,
+)
 from dspine_train.ablation.study_variants import (
     STUDY_VARIANTS,
     StudyVariant,
@@ -200,10 +204,20 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     assert f"{diff['diff']:+.4f} ± {diff['se']:.4f} ({diff['se_row']:.4f})" in text
     assert "| dspine | 12 | 2.00 h | 6 | 2.500" in text
     assert "bfloat16" in text and "abc123" in text and "python scripts/study.py run" in text
+    assert text.startswith("# Training study on the target (2026-12-02)")  # no target recorded
     assert "misses the aim of 1.6" not in text and "DSpine / DFlash" in text
     saved = json.loads(paths[1].read_text())
     assert [v["variant"] for v in saved["variants"]] == ["dspine", "dflash"]
     assert "## Findings" not in text  # none given
+    # the title names the target, not the path it has on the machine (the path is listed)
+    target = tmp_path / "machine" / "default_target"
+    target.mkdir(parents=True)
+    (target / "assembly.json").write_text(json.dumps({"gguf_name": "model-q4.gguf",
+                                                      "dtype": "bfloat16"}))
+    meta.update(target=str(target), target_title=target_title(target))
+    text = write_study_report(records, meta, tmp_path / "docs" / "study_t")[0].read_text()
+    assert text.startswith("# Training study on the embedded target (model-q4.gguf, bfloat16) (")
+    assert f"- target: `{target}`" in text
     # a study row no piece has planned yet is listed too
     meta["study_variants"] = ["dspine", "dflash", "dspine_no_alignment"]
     text = write_study_report(records, meta, tmp_path / "docs" / "study_y")[0].read_text()
@@ -369,3 +383,44 @@ def test_the_feature_digest_changes_with_the_cached_values(tmp_path: Path) -> No
     head_only = study.features_digest(tmp_path, head_bytes=100)
     shard.write_bytes(b"\x00" * 100 + b"\x01")
     assert study.features_digest(tmp_path, head_bytes=100) == head_only  # past the head: unread
+
+
+def test_step_times_side_by_side_on_the_same_batches(tiny_assets: dict, tmp_path: Path) -> None:
+    """`study.py steps`: every variant's real step (its method, vocabulary, precision),
+    interleaved on the same batches; the ratios are to the reference, and the report shows
+    them."""
+    from dspine_train.ablation.study_steps import time_steps
+    from tests._train_helpers import check_ok, run_module, tiny_overrides
+
+    features = tmp_path / "features"
+    check_ok(run_module(["-m", "data_prep.cache_features", *tiny_overrides(
+        tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}")]))
+    settings = tiny_settings(tmp_path, tiny_assets, features_override=features)
+    variants = [StudyVariant("dspine", ""), StudyVariant("dflash", "", ("model.method=dflash",)),
+                StudyVariant("pruned", "", ("model.draft_vocab_size=300", "precision=bf16"))]
+    result = time_steps(settings, variants, tmp_path / "steps", batches=2, iters=4,
+                        progress=lambda line: None)
+    rows = result["variants"]
+    assert list(rows) == ["dspine", "dflash", "pruned"] and result["reference"] == "dspine"
+    assert rows["dspine"]["ratio"] == 1.0
+    assert (rows["dflash"]["method"], rows["pruned"]["draft_vocab_size"]) == ("dflash", 300)
+    assert (rows["dspine"]["precision"], rows["pruned"]["precision"]) == ("float32", "bfloat16")
+    for row in rows.values():
+        assert len(row["steps_s"]) == 4 and row["step_s"] > 0
+        assert row["ratio"] == pytest.approx(row["step_s"] / rows["dspine"]["step_s"])
+    assert len(result["rows"]) == 2
+    result.update(command="python scripts/study.py steps", commit="abc")
+    path = tmp_path / "step_times.json"
+    path.write_text(json.dumps(result))
+    ref = blocks([1, 0, 1, 0, 1, 0])
+    text = write_study_report([record("dspine", ref, None)], {"date": "d"}, tmp_path / "r",
+                              step_times=path)[0].read_text()
+    assert "## Step time side by side" in text
+    assert f"| dflash | {rows['dflash']['step_s']:.2f} |" in text
+
+
+def test_steps_without_the_study_data_fails_by_name(tmp_path: Path, capsys) -> None:
+    from dspine_train.ablation.study_cli import main
+
+    assert main(["--root", str(tmp_path), "steps", "--variants", "dspine"]) == 1
+    assert "the study data is not ready" in capsys.readouterr().err

@@ -61,6 +61,7 @@ PLAN_FILE = "plan.json"
 BLOCKS_FILE = "simulated_blocks.npz"
 RECORD_FILE = "record.json"
 FINDINGS_FILE = "findings.md"  # hand-written reading of the report, beside the archive
+STEP_TIMES_FILE = "step_times.json"  # `study.py steps`, beside the archive
 EVAL_BLOCKS_DIR = "eval_blocks"
 # plain decoding of the engine evaluation's prompts, run once per process: it does not depend
 # on the draft, and the variants of one session run alone on one machine
@@ -526,7 +527,8 @@ def rewrite_report(archive: Path, stem: Path) -> list[Path]:
                for name in STUDY_VARIANTS if (archive / name / RECORD_FILE).is_file()]
     if not records:
         raise StudyError(f"{archive}: no archived variant (no */{RECORD_FILE})")
-    return write_study_report(records, meta, stem, archive.parent / FINDINGS_FILE)
+    return write_study_report(records, meta, stem, archive.parent / FINDINGS_FILE,
+                              archive.parent / STEP_TIMES_FILE)
 
 
 # ------------------------------------------------------------------------- the study
@@ -555,7 +557,7 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
     the study that fits a session); the rest follow on the next run.
     """
     from .report import git_commit
-    from .study_report import write_study_report
+    from .study_report import target_title, write_study_report
 
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     check_variant_overrides(settings, variants)
@@ -567,7 +569,8 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
         print(f"[study] {line}", flush=True)
     commit, dirty = git_commit(REPO)
     data = data_meta(settings)
-    meta = {"target": target, "command": settings.command, "commit": commit, "dirty": dirty,
+    meta = {"target": target, "target_title": target_title(target),
+            "command": settings.command, "commit": commit, "dirty": dirty,
             "machine": machine(), "settings": {k: str(v) for k, v in vars(settings).items()},
             "plan": plan, "data": data, "reference": REFERENCE,
             "features_digest": features_digest(settings.features_dir),
@@ -597,7 +600,8 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
         records = [with_pairs(settings.archive, r) for v in shown
                    if (r := archived_record(settings, v, requests[v.name])) is not None]
         written = write_study_report(records, meta, settings.report_path,
-                                     settings.archive.parent / FINDINGS_FILE)
+                                     settings.archive.parent / FINDINGS_FILE,
+                                     settings.archive.parent / STEP_TIMES_FILE)
         print(f"[study] report: {settings.report_path}.md ({len(records)} variant(s))",
               flush=True)
         if stop_after is not None and done_now >= stop_after:

@@ -5,6 +5,7 @@
     python scripts/study.py run --variants dspine,dflash --stop-after 1   # one piece
     python scripts/study.py run --smoke              # 2 variants x 20 steps on the demo's data
     python scripts/study.py report                   # rewrite the report (after editing findings.md)
+    python scripts/study.py steps                    # every variant's step time, side by side
 
 The budget defaults to max(1,500 steps, 3 epochs) at the recipe's batch size.
 """
@@ -87,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--smoke", action="store_true",
                      help="prove the runner: dspine and dflash, 20 steps, on the demo's data "
                           "and features (artifacts/demo), 4 engine prompts x 16 tokens")
+    steps = sub.add_parser("steps", help="time one training step of every variant, "
+                           "interleaved on the same batches (the report's step-time ratios)")
+    steps.add_argument("--variants", default="",
+                       help="comma-separated variants (default: every one, optional included)")
+    steps.add_argument("--seed", type=int, default=0)
+    steps.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    steps.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    steps.add_argument("--batches", type=int, default=3, help="training batches timed")
+    steps.add_argument("--iters", type=int, default=6, help="timed steps per variant")
+    steps.add_argument("--out", type=Path, default=None,
+                       help=f"JSON written (default {RECORD_DIR}/step_times.json)")
     report = sub.add_parser("report", help="rewrite the report from the archive alone (after "
                             "editing its findings.md); nothing trains")
     report.add_argument("--archive", type=Path, default=RECORD_DIR / "variants")
@@ -188,6 +200,38 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def steps_command(args: argparse.Namespace) -> int:
+    """`steps`: every variant's training step, interleaved in this process."""
+    from .report import git_commit
+    from .study import STEP_TIMES_FILE, StudyError, StudySettings, compose_train_config
+    from .study_report import step_lines
+    from .study_steps import time_steps, write_step_times
+    from .study_variants import STUDY_VARIANTS, select_study_variants
+
+    data = data_settings(args)
+    names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(STUDY_VARIANTS)
+    variants = select_study_variants(names)
+    features = args.root / "features"
+    overrides = [f"recipe={RECIPE}", f"seed={args.seed}", *shared_overrides(args, data)]
+    config = compose_train_config([*overrides, f"data.offline_features_dir={features}"])
+    if not Path(config.data.train_path).exists() or not features.is_dir():
+        raise StudyError(f"{config.data.train_path}, {features}: the study data is not ready; "
+                         "run `python scripts/study.py data` first (it resumes)")
+    settings = StudySettings(
+        out_dir=args.root / "steps", recipe=RECIPE,
+        steps=default_steps(Path(config.data.train_path), config.data.batch_size),
+        seed=args.seed, features_override=features,
+        overrides=[o for o in overrides if not o.startswith(("recipe=", "seed="))])
+    result = time_steps(settings, variants, args.root / "steps", args.batches, args.iters,
+                        progress=lambda line: print(f"[steps] {line}", flush=True))
+    result["command"] = shlex.join([sys.executable, "scripts/study.py", *sys.argv[1:]])
+    result["commit"], result["dirty"] = git_commit(REPO)
+    print("\n".join(step_lines(result)))
+    out = write_step_times(result, args.out or RECORD_DIR / STEP_TIMES_FILE)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; a failure prints its message and returns 1."""
     from .runner import AblationError
@@ -214,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                                         f"study_{TARGET_NAME}_{started(args.archive)}")
             for path in rewrite_report(args.archive, stem):
                 print(f"wrote {path}")
+        elif args.command == "steps":
+            return steps_command(args)
         else:
             return run_command(args)
     except (AblationError, RuntimeError, ValueError, OSError) as err:

@@ -84,12 +84,38 @@ def conditional_acceptance(rates: list[float]) -> list[float]:
             for prev, rate in zip([1.0, *rates[:-1]], rates)]
 
 
+def target_title(target: str | Path) -> str:
+    """The target as the report's title names it: the embedded target by the GGUF file it is
+    assembled from and its dtype (its `assembly.json`), another by its directory's name."""
+    assembly = Path(target) / "assembly.json"
+    if assembly.is_file():
+        record = json.loads(assembly.read_text())
+        return f"the embedded target ({record.get('gguf_name')}, {record.get('dtype')})"
+    return Path(target).name
+
+
+def step_lines(steps: dict[str, Any]) -> list[str]:
+    """The table of `study.py steps`: each variant's step time and its ratio to the
+    reference's, all from one interleaved run."""
+    reference = steps["reference"]
+    lines = [f"| variant | s/step (best per batch) | median | x {reference} |",
+             "|---|---|---|---|"]
+    for name, row in steps["variants"].items():
+        lines.append(f"| {name} | {row['step_s']:.2f} | {row['step_s_median']:.2f} | "
+                     f"{row['ratio']:.2f} |")
+    return lines
+
+
 def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
-             findings: str | None = None) -> str:
+             findings: str | None = None, steps: dict[str, Any] | None = None) -> str:
     """The report as markdown: setting, final table, per-position acceptance, curves, and
-    `findings` (the hand-written reading, kept beside the archive) after the mechanical one."""
-    lines = [f"# Training study on {meta.get('target', 'the target')} ({meta.get('date', '')})",
+    `findings` (the hand-written reading, kept beside the archive) after the mechanical one;
+    `steps`: the side-by-side step times (`study.py steps`)."""
+    target = meta.get("target", "")
+    title = meta.get("target_title") or Path(target).name or "the target"
+    lines = [f"# Training study on {title} ({meta.get('date', '')})",
              "",
+             f"- target: `{target}`",
              f"- command: `{meta.get('command', '')}`",
              f"- commit: `{meta.get('commit', '')}`" + (" (working tree differs)"
                                                       if meta.get("dirty") else ""),
@@ -186,7 +212,19 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
                          f"{_hours(r.get('train_wall_s'))} | {r.get('sessions', '-')} | "
                          f"{_hours(r.get('engine_wall_s'))} | `{commit}` | "
                          f"{session.get('date') or 'not yet'} |")
-        lines.append("")
+        lines += ["", "The train wall time is measured in the session that trained the variant; "
+                  "sessions do not all run on equally fast machines, so it compares variants "
+                  "only roughly. " + ("The step times below, measured side by side, are the "
+                                      "comparison." if steps else "`python scripts/study.py "
+                                      "steps` measures the step times side by side."), ""]
+    if steps:
+        lines += ["## Step time side by side", "",
+                  f"One training step of each variant (forward, objective, backward, AdamW; "
+                  f"`train.py`'s draft, precision and vocabulary), the variants alternating "
+                  f"step by step on the same {steps['batches']} training batches in one process "
+                  f"({steps['iters']} timed steps each, {steps['torch_threads']} torch threads, "
+                  f"{steps['date']}, commit `{str(steps.get('commit', '-'))[:10]}`): "
+                  f"`{steps.get('command', 'study.py steps')}`.", "", *step_lines(steps), ""]
     return "\n".join(lines)
 
 
@@ -217,16 +255,20 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_study_report(records: list[dict[str, Any]], meta: dict[str, Any],
-                       stem: Path, findings: Path | None = None) -> list[Path]:
+                       stem: Path, findings: Path | None = None,
+                       step_times: Path | None = None) -> list[Path]:
     """Write `<stem>.md`, `<stem>.json` and `<stem>.png`; return their paths. `findings`: a
     markdown file of hand-written findings, copied into the report when it exists (the report
-    is rewritten after every piece of the study, so the reading lives in its own file)."""
+    is rewritten after every piece of the study, so the reading lives in its own file).
+    `step_times`: the JSON of `study.py steps`, shown when it exists."""
     from ..checkpoint_io import write_text_atomic
 
     stem.parent.mkdir(parents=True, exist_ok=True)
     md, js, png = (stem.with_name(stem.name + suffix) for suffix in (".md", ".json", ".png"))
     text = findings.read_text() if findings is not None and findings.is_file() else None
-    write_text_atomic(md, markdown(records, meta, text) + "\n")
+    steps = (json.loads(step_times.read_text())
+             if step_times is not None and step_times.is_file() else None)
+    write_text_atomic(md, markdown(records, meta, text, steps) + "\n")
     write_text_atomic(js, json.dumps({"meta": meta, "variants": records}, indent=2,
                                      default=str) + "\n")
     plot(records, png)

@@ -67,7 +67,7 @@ def compose_recipe(recipe: str, overrides: list[str]) -> TrainConfig:
         return to_train_config(compose("config", overrides=[f"recipe={recipe}", *overrides]))
 
 
-def _batches(config: TrainConfig, train, draft, count: int, head: torch.Tensor):  # noqa: ANN001
+def first_batches(config: TrainConfig, train, draft, count: int, head: torch.Tensor):  # noqa: ANN001
     """The stream's first `count` micro-batches with features, anchors and replacement draws."""
     d = config.data
     if not d.offline_features_dir:
@@ -99,7 +99,7 @@ def _batches(config: TrainConfig, train, draft, count: int, head: torch.Tensor):
     return out, cache
 
 
-class _PathStep:
+class PathStep:
     """One path's draft copy, step module and optimizer; `__call__` runs one full step."""
 
     def __init__(self, path: StepPath, draft, embed, head, chunk: int, lr: float,  # noqa: ANN001
@@ -162,7 +162,7 @@ def run_recipe_bench(args: argparse.Namespace) -> None:
     draft = build_draft(config.model, inputs.draft_config, table, inputs.target_config,
                         config.seed)
     draft.bind_target(embed, head)
-    items, cache = _batches(config, inputs.train, draft, args.batches, head)
+    items, cache = first_batches(config, inputs.train, draft, args.batches, head)
     names = [n.strip() for n in args.paths.split(",") if n.strip()]
     unknown = [n for n in names if n not in PATHS]
     if unknown:
@@ -176,7 +176,7 @@ def run_recipe_bench(args: argparse.Namespace) -> None:
         pruned_line = prune_draft_vocab(pruned, inputs.train, inputs.eval,
                                         tokenizer_or_none(config.model.target_path))
         print(pruned_line)
-    steps = {name: _PathStep(PATHS[name], draft, embed, head, config.logits_chunk_size,
+    steps = {name: PathStep(PATHS[name], draft, embed, head, config.logits_chunk_size,
                              config.optim.lr, pruned) for name in names}
     change = _objective_change(draft, items, int(items[0][1].topk_ids.shape[-1]))
     for step in steps.values():  # warm-up: one step of each path

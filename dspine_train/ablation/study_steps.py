@@ -1,0 +1,107 @@
+"""`python scripts/study.py steps`: one training step of each study variant, side by side.
+
+The report's train wall time is measured in the session that trained each variant, and
+sessions run on machines of different speed, so it cannot say which variant trains faster.
+This times every variant's real step (its draft, objective, precision and pruned vocabulary
+as `train.py` builds them; forward, objective, backward, AdamW) in one process, the variants
+alternating step by step on the same batches of the study's training data and features, so
+that every variant sees the same machine load; the ratios to the reference are the measurement.
+Evaluation, checkpoints and data loading are not timed (they are the same for every variant).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .study import StudyError, StudySettings, compose_train_config
+from .study_variants import REFERENCE, StudyVariant
+
+
+def _variant_step(settings: StudySettings, variant: StudyVariant, work_dir: Path,
+                  batches: int) -> tuple[Any, list[Any]]:
+    """The variant's step (`PathStep` on the trainer's path) and its first `batches` batches."""
+    from ..training.draft_builder import build_draft, load_or_build_token_table
+    from ..training.draft_vocab import prune_draft_vocab, tokenizer_or_none
+    from ..training.inputs import check_inputs
+    from ..training.step_bench import PathStep, StepPath, first_batches
+    from ..training.target import read_embedding_and_head
+
+    arguments = [a for a in settings.train_arguments(variant) if not a.startswith("output_dir=")]
+    config = compose_train_config([*arguments, f"output_dir={work_dir / variant.name}"])
+    torch.manual_seed(config.seed)
+    inputs = check_inputs(config)
+    embed, head = read_embedding_and_head(config.model.target_path)
+    table = load_or_build_token_table(
+        work_dir / variant.name / "token_table.safetensors", head,
+        inputs.draft_config.transfer_dim, True, lambda: None)
+    draft = build_draft(config.model, inputs.draft_config, table, inputs.target_config,
+                        config.seed)
+    if draft.config.draft_vocab_size is not None:
+        prune_draft_vocab(draft, inputs.train, inputs.eval,
+                          tokenizer_or_none(config.model.target_path))
+    draft.bind_target(embed, head)
+    items, _ = first_batches(config, inputs.train, draft, batches, head)
+    path = StepPath(reference=False, topk=config.data.target_topk > 0,
+                    bf16=config.precision.value == "bf16")
+    step = PathStep(path, draft, embed, head, config.logits_chunk_size, config.optim.lr)
+    return step, items
+
+
+def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_dir: Path,
+               batches: int = 3, iters: int = 6,
+               progress: Any = print) -> dict[str, Any]:
+    """Step times of `variants`, interleaved (see the module docstring). Each variant's time
+    is the mean over the batches of its fastest step on that batch (the least disturbed);
+    `ratio` is that time over the reference's (> 1: slower than the reference)."""
+    steps, items = {}, {}
+    for variant in variants:
+        progress(f"building {variant.name}'s step")
+        steps[variant.name], items[variant.name] = _variant_step(settings, variant, work_dir,
+                                                                 batches)
+    rows = {name: [item[0].rows.tolist() for item in batch] for name, batch in items.items()}
+    if any(r != next(iter(rows.values())) for r in rows.values()):
+        raise StudyError(f"the variants' first batches differ ({rows}); the step times would "
+                         "not be comparable")
+    for name, step in steps.items():  # warm-up: one step of each
+        step(items[name][0])
+    times: dict[str, list[list[float]]] = {name: [[] for _ in range(batches)] for name in steps}
+    for i in range(iters):
+        progress(f"round {i + 1}/{iters}")
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(items[name][i % batches])
+            times[name][i % batches].append(time.perf_counter() - start)
+    best = {name: statistics.mean(min(ts) for ts in per_batch if ts)
+            for name, per_batch in times.items()}
+    reference = REFERENCE if REFERENCE in best else next(iter(best))
+    return {
+        "reference": reference, "batches": batches, "iters": iters,
+        "rows": next(iter(rows.values())),
+        "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
+        "processor": platform.processor(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "variants": {name: {"method": steps[name].draft.config.method,
+                            "precision": str(steps[name].draft.dtype).removeprefix("torch."),
+                            "draft_vocab_size": steps[name].draft.config.draft_vocab_size,
+                            "step_s": best[name],
+                            "step_s_median": statistics.median(
+                                t for ts in times[name] for t in ts),
+                            "ratio": best[name] / best[reference],
+                            "steps_s": [t for ts in times[name] for t in ts]}
+                     for name in steps},
+    }
+
+
+def write_step_times(result: dict[str, Any], path: Path) -> Path:
+    """Write `result` to `path`, replacing an earlier run: ratios hold within one run only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
