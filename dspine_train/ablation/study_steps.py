@@ -26,22 +26,22 @@ from .study_variants import REFERENCE, StudyVariant
 
 
 def _variant_step(settings: StudySettings, variant: StudyVariant, work_dir: Path,
-                  batches: int) -> tuple[Any, list[Any]]:
-    """The variant's step (`PathStep` on the trainer's path) and its first `batches` batches."""
+                  batches: int, embed: torch.Tensor, head: torch.Tensor) -> tuple[Any, list[Any]]:
+    """The variant's step (`PathStep` on the trainer's path) and its first `batches` batches;
+    `embed`, `head`: the target's, read once for every variant. Token tables are built once
+    per transfer width in `work_dir`."""
     from ..training.draft_builder import build_draft, load_or_build_token_table
     from ..training.draft_vocab import prune_draft_vocab, tokenizer_or_none
     from ..training.inputs import check_inputs
     from ..training.step_bench import PathStep, StepPath, first_batches
-    from ..training.target import read_embedding_and_head
 
     arguments = [a for a in settings.train_arguments(variant) if not a.startswith("output_dir=")]
     config = compose_train_config([*arguments, f"output_dir={work_dir / variant.name}"])
     torch.manual_seed(config.seed)
     inputs = check_inputs(config)
-    embed, head = read_embedding_and_head(config.model.target_path)
-    table = load_or_build_token_table(
-        work_dir / variant.name / "token_table.safetensors", head,
-        inputs.draft_config.transfer_dim, True, lambda: None)
+    dim = inputs.draft_config.transfer_dim
+    table = load_or_build_token_table(work_dir / f"token_table_r{dim}.safetensors", head, dim,
+                                      True, lambda: None)
     draft = build_draft(config.model, inputs.draft_config, table, inputs.target_config,
                         config.seed)
     if draft.config.draft_vocab_size is not None:
@@ -61,11 +61,16 @@ def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_d
     """Step times of `variants`, interleaved (see the module docstring). Each variant's time
     is the mean over the batches of its fastest step on that batch (the least disturbed);
     `ratio` is that time over the reference's (> 1: slower than the reference)."""
+    from ..training.target import read_embedding_and_head
+
+    first = compose_train_config(settings.train_arguments(variants[0]))
+    embed, head = read_embedding_and_head(first.model.target_path)
+    work_dir.mkdir(parents=True, exist_ok=True)
     steps, items = {}, {}
     for variant in variants:
         progress(f"building {variant.name}'s step")
-        steps[variant.name], items[variant.name] = _variant_step(settings, variant, work_dir,
-                                                                 batches)
+        steps[variant.name], items[variant.name] = _variant_step(
+            settings, variant, work_dir, batches, embed, head)
     rows = {name: [item[0].rows.tolist() for item in batch] for name, batch in items.items()}
     if any(r != next(iter(rows.values())) for r in rows.values()):
         raise StudyError(f"the variants' first batches differ ({rows}); the step times would "
