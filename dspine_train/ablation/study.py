@@ -516,13 +516,15 @@ def rewrite_report(archive: Path, stem: Path) -> list[Path]:
     findings, or to check that the committed report is the archive's): every archived study
     variant in the report's order, under the header (`meta`) of the report's last piece.
     Nothing trains or evaluates; the request check is `run`'s."""
-    from .study_report import write_study_report
+    from .study_report import target_title, write_study_report
 
     previous = stem.with_name(stem.name + ".json")
     if not previous.is_file():
         raise StudyError(f"{previous}: no report to rewrite; `study.py run` writes the first")
     meta = json.loads(previous.read_text())["meta"]
     meta["study_variants"] = study_variant_names([])
+    if "target_title" not in meta and Path(meta.get("target", "")).is_dir():  # older pieces
+        meta["target_title"] = target_title(meta["target"])
     records = [with_pairs(archive, json.loads((archive / name / RECORD_FILE).read_text()))
                for name in STUDY_VARIANTS if (archive / name / RECORD_FILE).is_file()]
     if not records:
