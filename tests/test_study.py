@@ -63,7 +63,7 @@ def test_a_variant_with_an_unknown_key_fails_by_name_before_training(
 def test_variants_are_override_lists_in_one_place() -> None:
     names = [v.name for v in select_study_variants(None)]
     assert names[0] == "dspine" and "dflash" in names and "dspine_specforge" in names
-    assert "dspine_warm_start" not in names  # optional: only by name
+    assert "dspine_warm_start" not in names and "dspine_fp32" not in names  # optional: by name
     assert STUDY_VARIANTS["dflash"].hydra_overrides() == ["model.method=dflash"]
     with pytest.raises(ValueError, match="unknown variant"):
         select_study_variants(["nope"])

@@ -68,9 +68,11 @@ STUDY_VARIANTS: dict[str, StudyVariant] = {
         StudyVariant("dspine_pruned_vocab", f"DSpine with a pruned {PRUNED_VOCAB}-token draft "
                      "vocabulary", (f"model.draft_vocab_size={PRUNED_VOCAB}",)),
         # the study trains in bf16 (bf16 draft, fp32 master weights: `--precision`); this row
-        # measures what that costs against fp32 (the demo recipe's precision)
+        # measures what that costs against fp32. Optional: its step costs 2.3x bf16's on the
+        # 2-core CPU (`study.py steps`), about two hours of training; a paired 150-step check
+        # is in docs/results/fast_step/
         StudyVariant("dspine_fp32", "DSpine trained in fp32 (the other rows: bf16)",
-                     ("precision=fp32",)),
+                     ("precision=fp32",), optional=True),
         # optional: the draft's layers start as copies of the target's last two layers (the
         # ones that turn deep states into the head's input, as the draft's layers must)
         StudyVariant("dspine_warm_start", "DSpine with its 2 layers warm-started from target "
