@@ -424,3 +424,10 @@ def test_steps_without_the_study_data_fails_by_name(tmp_path: Path, capsys) -> N
 
     assert main(["--root", str(tmp_path), "steps", "--variants", "dspine"]) == 1
     assert "the study data is not ready" in capsys.readouterr().err
+
+
+def test_steps_refuses_batches_it_would_not_time(tmp_path: Path) -> None:
+    from dspine_train.ablation.study_steps import time_steps
+
+    with pytest.raises(StudyError, match="--batches 3, --iters 2"):
+        time_steps(tiny_settings(tmp_path), [StudyVariant("dspine", "")], tmp_path, 3, 2)

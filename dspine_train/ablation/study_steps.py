@@ -6,7 +6,7 @@ This times every variant's real step (its draft, objective, precision and pruned
 as `train.py` builds them; forward, objective, backward, AdamW) in one process, the variants
 alternating step by step on the same batches of the study's training data and features, so
 that every variant sees the same machine load; the ratios to the reference are the measurement.
-Evaluation, checkpoints and data loading are not timed (they are the same for every variant).
+Evaluation, checkpoints and data loading are not timed.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_d
     `ratio` is that time over the reference's (> 1: slower than the reference)."""
     from ..training.target import read_embedding_and_head
 
+    if not 1 <= batches <= iters:
+        raise StudyError(f"--batches {batches}, --iters {iters}: time every batch at least "
+                         "once (1 <= batches <= iters)")
     first = compose_train_config(settings.train_arguments(variants[0]))
     embed, head = read_embedding_and_head(first.model.target_path)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +87,7 @@ def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_d
             start = time.perf_counter()
             step(items[name][i % batches])
             times[name][i % batches].append(time.perf_counter() - start)
-    best = {name: statistics.mean(min(ts) for ts in per_batch if ts)
+    best = {name: statistics.mean(min(ts) for ts in per_batch)
             for name, per_batch in times.items()}
     reference = REFERENCE if REFERENCE in best else next(iter(best))
     return {
@@ -106,7 +109,10 @@ def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_d
 
 
 def write_step_times(result: dict[str, Any], path: Path) -> Path:
-    """Write `result` to `path`, replacing an earlier run: ratios hold within one run only."""
+    """Write `result` to `path` (whole or not at all), replacing an earlier run: ratios hold
+    within one run only."""
+    from ..checkpoint_io import write_text_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(result, indent=2) + "\n")
     return path

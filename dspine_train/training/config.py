@@ -132,10 +132,10 @@ class ModelConfig:
             and cached here when missing. None: `<output_dir>/token_table.safetensors`.
         init_from: a draft to start from instead of a fresh draft: a DSpine export (its
             weights and structure; the objective fields this recipe sets are the recipe's:
-            `dspine_train.training.export_init`), or a DFlash-format checkpoint such as a published z-lab draft (its
-            backbone, with DSpine's own parts at their init and this recipe's method and
-            attention; the structure fields the recipe leaves unset are the checkpoint's:
-            `dspine_train.training.warm_start`).
+            `dspine_train.training.export_init`), or a DFlash-format checkpoint such as a
+            published z-lab draft (its backbone, with DSpine's own parts at their init and this
+            recipe's method and attention; the structure fields the recipe leaves unset are the
+            checkpoint's: `dspine_train.training.warm_start`).
         warm_start_layers: one target layer index per draft layer (off: None): draft layer i
             starts as a copy of target decoder layer `warm_start_layers[i]` (attention, q/k
             norms, MLP, the two RMSNorms; read from the target's safetensors, so it works with
