@@ -17,7 +17,7 @@ from ..formats import readable_format, specforge
 from ..formats.dflash import read_config
 from ..modeling import DSpineConfig
 from .errors import TrainingError
-from .warm_start import dflash_checkpoint
+from .warm_start import dflash_checkpoint, structure_overrides
 
 # The draft fields an export's weights depend on: the layers and their inputs, the block, the
 # attention and injection, the transfer space's sizes, the pruned vocabulary.
@@ -48,17 +48,8 @@ def continued_overrides(overrides: dict[str, Any], exported: DSpineConfig,
     """The draft fields of a run continuing from the export: the recipe's `overrides` (the
     fields it sets) over the export's values. `TrainingError` naming every `model.<field>` of
     `STRUCTURE_FIELDS` the recipe sets to another value than the export's."""
-    merged: dict[str, Any] = {}
-    for name in DSpineConfig.draft_fields():
-        value = getattr(exported, name)
-        merged[name] = list(value) if isinstance(value, list | tuple) else value
-    conflicts = [f"model.{name}={overrides[name]!r} (the export has {merged[name]!r})"
-                 for name in STRUCTURE_FIELDS
-                 if name in overrides and overrides[name] != merged[name]]
-    if conflicts:
-        raise TrainingError(
-            f"model.init_from: the draft {source} has another structure than the recipe: "
-            f"{', '.join(conflicts)}; leave these fields unset to take the export's"
-        )
-    return {**merged, **overrides}
-
+    merged = structure_overrides(overrides, exported, source, STRUCTURE_FIELDS,
+                                 kind="DSpine export")
+    unset = {name: getattr(exported, name) for name in DSpineConfig.draft_fields()
+             if name not in merged}
+    return {**{k: list(v) if isinstance(v, tuple) else v for k, v in unset.items()}, **merged}

@@ -64,22 +64,25 @@ def dflash_checkpoint(init_from: str | None) -> DSpineConfig | None:
         raise TrainingError(f"model.init_from: {err}") from err
 
 
-def structure_overrides(overrides: dict[str, Any], checkpoint: DSpineConfig,
-                        source: str) -> dict[str, Any]:
-    """The recipe's draft `overrides` completed with the checkpoint's `STRUCTURE_FIELDS`;
-    `TrainingError` naming every `model.<field>` the recipe sets to another value."""
+def structure_overrides(overrides: dict[str, Any], checkpoint: DSpineConfig, source: str,
+                        fields: tuple[str, ...] = STRUCTURE_FIELDS,
+                        kind: str = "DFlash checkpoint") -> dict[str, Any]:
+    """The recipe's draft `overrides` completed with the checkpoint's structure `fields`;
+    `TrainingError` naming every `model.<field>` the recipe sets to another value (`kind`:
+    what the message calls the checkpoint; `export_init` passes a DSpine export's fields)."""
     merged = dict(overrides)
     conflicts = []
-    for name in STRUCTURE_FIELDS:
+    noun = kind.split()[-1]
+    for name in fields:
         theirs = getattr(checkpoint, name)
         if name not in merged:
             merged[name] = list(theirs) if isinstance(theirs, list) else theirs
         elif merged[name] != theirs:
-            conflicts.append(f"model.{name}={merged[name]!r} (the checkpoint has {theirs!r})")
+            conflicts.append(f"model.{name}={merged[name]!r} (the {noun} has {theirs!r})")
     if conflicts:
         raise TrainingError(
-            f"model.init_from: the DFlash draft {source} has another structure than the recipe: "
-            f"{', '.join(conflicts)}; leave these fields unset to take the checkpoint's"
+            f"model.init_from: the {kind} {source} has another structure than the recipe: "
+            f"{', '.join(conflicts)}; leave these fields unset to take the {noun}'s"
         )
     return merged
 
