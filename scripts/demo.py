@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--block-size", type=int, default=None,
                        help="block size B (default: the recipe's)")
     train.add_argument("--num-anchors", type=int, default=16, help="blocks per sequence")
+    train.add_argument("--draft-vocab-size", type=int, default=0, metavar="N",
+                       help="prune the draft's vocabulary to the N most frequent tokens of the "
+                            "training data (verification still uses the target's whole "
+                            "vocabulary: lossless); 0 keeps the whole vocabulary")
     train.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                        help="extra Hydra override for train.py and the feature cache")
     ev = p.add_argument_group("evaluation")
@@ -449,6 +453,7 @@ def train_overrides(demo: Demo) -> list[str]:
             f"optim.max_steps={a.steps}", f"model.num_layers={a.draft_layers}",
             f"model.target_layer_ids=[{layers}]",
             f"model.block_size={a.block_size}", f"data.num_anchors={a.num_anchors}",
+            f"model.draft_vocab_size={a.draft_vocab_size or 'null'}",
             # features from the target in the dtype that answered the prompts; the draft in
             # the matching precision (bf16: bf16 weights and activations, fp32 master copy)
             f"model.target_dtype={a.dtype}",
@@ -543,7 +548,8 @@ SPECS: dict[str, StageSpec] = {
         ("features",)),
     "train": StageSpec(("features",), lambda a: {
         "recipe": a.recipe, "steps": a.steps, "layers": a.draft_layers, "block": a.block_size,
-        "anchors": a.num_anchors, "dtype": a.dtype, "overrides": a.train_override},
+        "anchors": a.num_anchors, "dtype": a.dtype, "draft_vocab_size": a.draft_vocab_size,
+        "overrides": a.train_override},
         ("train",)),
     "export": StageSpec(("train",), lambda a: {}, ("draft",)),
     "evaluate": StageSpec(("export",), lambda a: {
@@ -631,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             raise DemoError("--parity-rows must be >= 0 (0 skips the parity check)")
         if args.num_prompts < 2 or args.steps < 1:
             raise DemoError("--num-prompts must be >= 2 and --steps >= 1")
+        if args.draft_vocab_size < 0:
+            raise DemoError("--draft-vocab-size must be >= 0 (0 keeps the whole vocabulary)")
         if args.threads:
             import torch
 

@@ -1,6 +1,6 @@
-"""The demo's `--dtype`: one setting for the target's answers, its cached features and the
-draft's training precision; `auto` picks bfloat16 only where the CPU computes it natively
-(issue 16, part 4)."""
+"""The demo's training settings (issue 16, part 4). `--dtype`: one setting for the target's
+answers, its cached features and the draft's training precision; `auto` picks bfloat16 only
+where the CPU computes it natively. `--draft-vocab-size`: the pruned draft vocabulary."""
 
 from __future__ import annotations
 
@@ -95,3 +95,18 @@ def test_regeneration_uses_the_dtype_and_caches_by_it(tmp_path: Path,
     for stage in ("regenerate", "features", "train"):
         settings = demo.SPECS[stage].settings
         assert settings(_args("--dtype", "bfloat16")) != settings(_args("--dtype", "float32"))
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("0", None), ("32768", 32768)])
+def test_draft_vocab_size_reaches_the_training_config(tmp_path: Path, flag: str,
+                                                      expected: int | None) -> None:
+    config = demo.train_config(_demo(tmp_path, "--dtype", "float32", "--draft-vocab-size", flag))
+    assert config.model.draft_vocab_size == expected
+    settings = demo.SPECS["train"].settings
+    assert settings(_args("--draft-vocab-size", "0")) != settings(_args("--draft-vocab-size",
+                                                                       "32768"))
+
+
+def test_a_negative_draft_vocab_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert demo.main(["--draft-vocab-size", "-1", "--stages", "prompts"]) == 1
+    assert "--draft-vocab-size must be >= 0" in capsys.readouterr().err
