@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leave out longer prompts (CPU time grows with length)")
     data.add_argument("--max-new-tokens", type=int, default=128,
                       help="tokens the target generates per answer (greedy)")
+    data.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                      help="the target's dtype when it answers the prompts and when its "
+                           "features are cached, and the draft's training precision (bf16 or "
+                           "fp32). auto: bfloat16 on CUDA or a CPU with native bf16 "
+                           "(AVX512-BF16, AMX, Arm BF16), else float32")
     data.add_argument("--regen-batch-size", type=int, default=16,
                       help="answers generated together (16 measured fastest on 2 cores)")
     data.add_argument("--eval-fraction", type=float, default=0.1,
@@ -91,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--block-size", type=int, default=None,
                        help="block size B (default: the recipe's)")
     train.add_argument("--num-anchors", type=int, default=16, help="blocks per sequence")
+    train.add_argument("--draft-vocab-size", type=int, default=32768, metavar="N",
+                       help="prune the draft's vocabulary to the N most frequent tokens of the "
+                            "training data (verification still uses the target's whole "
+                            "vocabulary: lossless); 0 keeps the whole vocabulary. The default "
+                            "halves the demo's step for -0.002 tau in the training study "
+                            "(docs/results/study_qwen2.5-coder-0.5b/findings.md)")
     train.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                        help="extra Hydra override for train.py and the feature cache")
     ev = p.add_argument_group("evaluation")
@@ -265,12 +276,13 @@ def stage_regenerate(demo: Demo) -> dict[str, Any]:
     args = demo.args
     data = greedy_local_job(
         demo.path("data", "prompts.jsonl"), demo.target, demo.path("data", "regenerated"),
-        max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size)
+        max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size, dtype=args.dtype)
     report = run_regeneration(data)
     print(summary_line(report))
     if report["done"] == 0:
         raise DemoError(f"regeneration produced no row; see {data.regenerate.output_dir}")
-    return {k: report[k] for k in ("input", "done", "failed", "skipped", "completion_tokens")}
+    return {**{k: report[k] for k in ("input", "done", "failed", "skipped",
+                                      "completion_tokens")}, "dtype": args.dtype}
 
 
 def stage_tokenize(demo: Demo) -> dict[str, Any]:
@@ -443,7 +455,27 @@ def train_overrides(demo: Demo) -> list[str]:
             f"optim.max_steps={a.steps}", f"model.num_layers={a.draft_layers}",
             f"model.target_layer_ids=[{layers}]",
             f"model.block_size={a.block_size}", f"data.num_anchors={a.num_anchors}",
+            f"model.draft_vocab_size={a.draft_vocab_size or 'null'}",
+            # features from the target in the dtype that answered the prompts; the draft in
+            # the matching precision (bf16: bf16 weights and activations, fp32 master copy)
+            f"model.target_dtype={a.dtype}",
+            f"precision={'bf16' if a.dtype == 'bfloat16' else 'fp32'}",
             "logging.wandb=false", *a.train_override]
+
+
+def resolve_dtype(args: argparse.Namespace) -> None:
+    """Turn `--dtype auto` into the dtype this machine runs fastest (printed; the stage records
+    hold the resolved value, so a cached stage is redone if another machine resolves otherwise)."""
+    if args.dtype != "auto":
+        return
+    import torch
+
+    from data_prep.backends.local import native_bf16
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = "bfloat16" if native_bf16(device) else "float32"
+    print(f"[demo] --dtype auto: {args.dtype} ({device.type}"
+          f"{', native bf16' if args.dtype == 'bfloat16' else ', no native bf16'})", flush=True)
 
 
 def resolve_draft_shape(args: argparse.Namespace) -> None:
@@ -504,7 +536,8 @@ SPECS: dict[str, StageSpec] = {
         "num_prompts": a.num_prompts, "files": [str(p) for p in a.prompts],
         "max_prompt_chars": a.max_prompt_chars}, ("data/prompts.jsonl", "data/split.json")),
     "regenerate": StageSpec(("prompts",), lambda a: {
-        "max_new_tokens": a.max_new_tokens, "temperature": 0.0}, ("data/regenerated",)),
+        "max_new_tokens": a.max_new_tokens, "temperature": 0.0, "dtype": a.dtype},
+        ("data/regenerated",)),
     "tokenize": StageSpec(("regenerate",), lambda a: {"eval_fraction": a.eval_fraction,
                                                        "max_length": 1024},
                           ("data/tokenized",)),
@@ -512,11 +545,14 @@ SPECS: dict[str, StageSpec] = {
                                                      "overrides": a.train_override},
                              ("token_table.safetensors",)),
     "features": StageSpec(("tokenize", "token_table"), lambda a: {
-        "recipe": a.recipe, "layers": a.draft_layers, "overrides": a.train_override},
+        "recipe": a.recipe, "layers": a.draft_layers, "dtype": a.dtype,
+        "overrides": a.train_override},
         ("features",)),
     "train": StageSpec(("features",), lambda a: {
         "recipe": a.recipe, "steps": a.steps, "layers": a.draft_layers, "block": a.block_size,
-        "anchors": a.num_anchors, "overrides": a.train_override}, ("train",)),
+        "anchors": a.num_anchors, "dtype": a.dtype, "draft_vocab_size": a.draft_vocab_size,
+        "overrides": a.train_override},
+        ("train",)),
     "export": StageSpec(("train",), lambda a: {}, ("draft",)),
     "evaluate": StageSpec(("export",), lambda a: {
         "bench": a.bench, "prompts": a.eval_prompts, "max_new_tokens": a.eval_max_new_tokens,
@@ -603,11 +639,14 @@ def main(argv: list[str] | None = None) -> int:
             raise DemoError("--parity-rows must be >= 0 (0 skips the parity check)")
         if args.num_prompts < 2 or args.steps < 1:
             raise DemoError("--num-prompts must be >= 2 and --steps >= 1")
+        if args.draft_vocab_size < 0:
+            raise DemoError("--draft-vocab-size must be >= 0 (0 keeps the whole vocabulary)")
         if args.threads:
             import torch
 
             torch.set_num_threads(args.threads)
         resolve_draft_shape(args)
+        resolve_dtype(args)
         os.environ.update({k: v for k, v in subprocess_env(args).items()
                            if k.startswith(("HF_", "TRANSFORMERS_", "TOKENIZERS_"))})
         from data_prep.config import default_target_dir

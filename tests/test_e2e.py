@@ -28,6 +28,9 @@ DEMO_ARGS = [
     "--draft-layers", "2", "--block-size", str(BLOCK), "--num-anchors", "8",
     "--eval-prompts", "3", "--eval-max-new-tokens", "16", "--temperatures", "0,1",
     "--num-draft-tokens", "full,3",
+    # the same run on every machine (auto would pick bfloat16 only where the CPU has it)
+    "--dtype", "float32",
+    "--draft-vocab-size", "0",  # the tiny target's whole vocabulary is smaller than the default
     # The tiny recipe's own assets are not wanted: the demo supplies target and data.
     "--train-override", "model.mask_token_id=null",
     "--train-override", "model.tiny_random_target=false",
