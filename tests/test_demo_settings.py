@@ -37,8 +37,7 @@ def test_native_bf16_without_cpuinfo_is_false_and_cuda_is_true(tmp_path: Path) -
 
 
 def _args(*argv: str):
-    args = demo.build_parser().parse_args(["--draft-layers", "2", "--block-size", "8", *argv])
-    return args
+    return demo.build_parser().parse_args(["--draft-layers", "2", "--block-size", "8", *argv])
 
 
 def _demo(tmp_path: Path, *argv: str) -> demo.Demo:
