@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--target", type=Path, default=None,
                       help="use this target directory instead of assembling the embedded one")
-    data.add_argument("--num-prompts", type=int, default=128,
-                      help="training prompts, about half HumanEval and half ShareGPT")
+    data.add_argument("--num-prompts", type=int, default=320,
+                      help="training prompts, up to half HumanEval (its train part has 122 "
+                           "short enough), the rest ShareGPT")
     data.add_argument("--prompts", type=Path, action="append", default=[],
                       help="train on these conversation files instead (JSONL/JSON rows with "
                            "messages or conversations, as data_prep reads them; repeatable)")
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="share of rows in the trainer's eval split (simulated tau)")
     train = p.add_argument_group("draft training")
     train.add_argument("--recipe", default="qwen2.5_coder_0.5b", help="train.py recipe")
-    train.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    train.add_argument("--steps", type=int, default=450,
+                       help="optimizer steps (the default: ~3 epochs of the default prompts)")
     train.add_argument("--draft-layers", type=int, default=None,
                        help="draft layers (default: the recipe's, for the demo recipe "
                             "recipes/model/qwen2.5_coder_0.5b.yaml's)")
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-draft-tokens", default="full",
                     help="values of g (drafts verified per round) to compare, full = block - 1; "
                          "the first runs at every temperature, the others at the first only")
-    ev.add_argument("--parity-rows", type=int, default=20,
+    ev.add_argument("--parity-rows", type=int, default=10,
                     help="rows of the eval split for the parity check (engine vs the trainer's "
                          "simulated evaluation on the same blocks, whole responses); 0 skips it")
     return p
