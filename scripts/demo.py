@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--target", type=Path, default=None,
                       help="use this target directory instead of assembling the embedded one")
     data.add_argument("--num-prompts", type=int, default=320,
-                      help="training prompts, up to half HumanEval (its train part has 122 "
-                           "short enough), the rest ShareGPT")
+                      help="training prompts: up to half HumanEval (its train part holds 122 "
+                           "within the default --max-prompt-chars), the rest ShareGPT")
     data.add_argument("--prompts", type=Path, action="append", default=[],
                       help="train on these conversation files instead (JSONL/JSON rows with "
                            "messages or conversations, as data_prep reads them; repeatable)")
