@@ -198,8 +198,9 @@ def dspine_loss(
     bsz, seq_len = loss_mask.shape
     bk = cfg.block_size
     weights = slot_weights(loss_mask, anchors, anchor_mask, bk, cfg.loss_gamma)  # (B, A, Bk-1)
-    # Deliberate host sync: select the supervised slots once, so padding costs no vocab work.
-    rows = weights.reshape(-1) > 0
+    # Deliberate host sync (the objective's only one): the indices of the supervised slots,
+    # read once, so padding costs no vocab work; every selection below indexes with them.
+    rows = torch.nonzero(weights.reshape(-1) > 0).squeeze(1)  # (n,)
     w = weights.reshape(-1)[rows]  # (n,)
     labels = out.labels.reshape(-1)[rows]
     hidden = out.hidden[..., 1:, :].reshape(-1, cfg.hidden_size)[rows]  # (n, H)
@@ -292,7 +293,8 @@ def dspine_loss(
         beta = alignment_scale(step, cfg.alignment_weight, cfg.alignment_warmup_steps)
         loss = loss + beta * backbone_ce.detach() * alignment
         metrics["alignment"] = alignment.detach()
-        metrics["alignment_beta"] = torch.tensor(beta)
+        # every metric on the loss's device: the trainer stacks them for one reduction
+        metrics["alignment_beta"] = torch.full((), beta, device=loss.device)
 
     # --- ablation: full-vocabulary CE on intermediate layers (hurts acceptance, SPEC 2.3)
     if cfg.token_ce_intermediate and out.layer_hidden:
@@ -314,5 +316,5 @@ def dspine_loss(
             metrics["token_ce_intermediate"] = token_ce.detach()
 
     metrics["loss"] = loss.detach()
-    metrics["supervised_slots"] = torch.tensor(float(w.numel()))
+    metrics["supervised_slots"] = torch.full((), float(w.numel()), device=loss.device)
     return loss, metrics

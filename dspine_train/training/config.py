@@ -200,8 +200,9 @@ class DataConfig:
         target_topk: the feature cache pass also stores the top-k of the target's next-token
             distribution (k ids and probabilities per token, 8k bytes), and training with that
             cache uses it instead of projecting each slot through the target's head
-            (`vocab_loss`); 0 stores none / trains on the exact distribution. 1024 moves the
-            demo's objective by < 2e-4 (64: 1e-2; `scripts/bench_train.py --recipe`).
+            (`vocab_loss`); an online target computes the same top-k once per position. 0
+            stores none / trains on the exact distribution, projected once per block slot.
+            1024 moves the demo's objective by < 2e-4 (64: 1e-2; `scripts/bench_train.py`).
         synthetic: when the train path does not exist, write a small dataset sampled from the
             target there first (the `tiny` recipe and CI).
         synthetic_num_sequences: sequences of the synthetic dataset (train + eval).

@@ -6,12 +6,15 @@ DeepSpeed. One forward of its *base model* (no lm_head, so no (B, S, V) logits) 
 
 * context features: the outputs of the configured layers, `hidden_states[l + 1]`,
   concatenated on the last dim (B, S, n*H);
-* the final normed hidden state `hidden_states[-1]` (B, S, H), from which the objective
-  computes the target's own next-token distribution chunk by chunk.
+* the final normed hidden state `hidden_states[-1]` (B, S, H), from which the target's own
+  next-token distribution is computed: its top-k once per position (`TargetFeatures.with_topk`,
+  `data.target_topk` > 0, as the feature cache stores it), or exactly per block slot by the
+  objective (`data.target_topk: 0`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from ..checkpoint_io import SafetensorsWeights, WeightsError
+from ..vocab_loss import target_topk
 from .errors import TrainingError
 
 # Files of which a tokenizer has at least one; without them transformers makes a placeholder.
@@ -49,6 +53,17 @@ class TargetFeatures:
         """The same features on `device`."""
         return TargetFeatures(*[None if t is None else t.to(device) for t in (
             self.context, self.final_hidden, self.topk_ids, self.topk_probs, self.target_lse)])
+
+    def with_topk(self, head: torch.Tensor, k: int) -> TargetFeatures:
+        """These features with the top-k of the target's next-token distribution at every
+        position, projected once per position through the target's `head` (V, H), as the
+        feature cache stores it (`vocab_loss.target_topk`): the online objective then reads
+        the distribution of each block slot from its position instead of projecting the slot."""
+        bsz, seq, hidden = self.final_hidden.shape
+        ids, probs, lse = target_topk(self.final_hidden.reshape(-1, hidden), head, k)
+        return dataclasses.replace(  # (B*S, k) -> (B, S, k)
+            self, topk_ids=ids.view(bsz, seq, -1), topk_probs=probs.view(bsz, seq, -1),
+            target_lse=lse.view(bsz, seq, 1))
 
     @property
     def topk(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -197,8 +212,10 @@ class TargetFeatureExtractor:
         self.layer_ids = list(target_layer_ids)
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TargetFeatures:
-        """input_ids, attention_mask (B, S) -> `TargetFeatures` (right padding only)."""
+    def __call__(self, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor | None) -> TargetFeatures:
+        """input_ids, attention_mask (B, S) -> `TargetFeatures` (right padding only; None: no
+        padding)."""
         out = self.base(
             input_ids=input_ids,
             attention_mask=attention_mask,

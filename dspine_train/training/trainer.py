@@ -64,6 +64,13 @@ from .target import (
 )
 from .tracking import MetricsLog, progress_line, read_metrics
 
+# Host syncs a training micro-batch makes itself (the device-faithful harness counts them,
+# tests/test_device_faithful.py): the objective's indices of the supervised slots, and the
+# finite-loss check every process agrees on before backward. The libraries below add theirs
+# (docs/GPU.md): transformers' padding-mask check when an online target's batch is padded,
+# DeepSpeed's gradient-norm checks at an accumulation boundary.
+MICRO_BATCH_SYNCS = 2
+
 
 @dataclass
 class TrainResult:
@@ -135,6 +142,11 @@ class Trainer:
                     f"the draft by embed_scale={inputs.draft_config.embed_scale} "
                     f"(model_type {inputs.draft_config.target_model_type!r})")
             self.extract = TargetFeatureExtractor(target, inputs.draft_config.target_layer_ids)
+        # The online target's distillation distribution: its top-k per position (the same form
+        # a feature cache stores), unless `data.target_topk: 0` asks for the exact one per slot.
+        self.target_head = head
+        self.online_topk = (not self.offline and inputs.draft_config.distill
+                            and cfg.data.target_topk > 0)
         default_table = self.output_dir / "token_table.safetensors"
         self.token_table_path = Path(m.token_table_path or default_table)
         table = load_or_build_token_table(
@@ -236,15 +248,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ one micro-batch
     def _features(self, batch: Batch, cache: OfflineFeatures | None,
-                  with_topk: bool = True) -> TargetFeatures:
+                  with_topk: bool = True, device_batch: Batch | None = None) -> TargetFeatures:
+        """The target's features of `batch`: read from the cache by its rows (read on the host
+        when `batch` is the host copy), or computed by the online target on `device_batch`
+        (default: `batch` itself)."""
         if cache is None:
-            return self.extract(batch.input_ids, batch.attention_mask)
+            on_device = device_batch if device_batch is not None else batch
+            mask = on_device.attention_mask
+            if device_batch is not None and bool(batch.attention_mask.all()):
+                # No padding (read on the host): the target runs causal without a mask, which
+                # spares transformers' own device read of the mask (the same states).
+                mask = None
+            return self.extract(on_device.input_ids, mask)
         feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1],
                                with_topk=with_topk and self.config.data.target_topk > 0)
         return feats.to(self.accelerator.device)
 
     def _target_distribution(self) -> str:
         """How the distillation target is obtained, for the run's first lines."""
+        if self.online_topk:
+            return (f"top-{self.config.data.target_topk} + remainder, projected once per "
+                    "position from the online target")
         k = self.train_cache.target_topk if self.train_cache is not None else 0
         if k and self.config.data.target_topk > 0:
             return f"top-{k} + remainder, cached once per token (data.offline_features_dir)"
@@ -256,6 +280,7 @@ class Trainer:
     def _anchors(
         self, batch: Batch, generator: torch.Generator, num_anchors: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Anchors drawn on the host (`batch` is the host copy; a CPU generator), then moved."""
         anchors, mask = sample_anchors(batch.loss_mask.cpu(), num_anchors,
                                        self.draft_config.block_size, generator)
         device = self.accelerator.device
@@ -272,6 +297,35 @@ class Trainer:
                 f"of data.train_path (lower optim.lr or check the data); the last good "
                 f"checkpoint is {latest or 'none (none was written yet)'}"
             )
+
+    def _micro_batch(self, index: int, rows: list[int]) -> tuple[dict[str, torch.Tensor], int]:
+        """Global batch `index` (dataset `rows`): target features, anchors, the draft's forward
+        and objective, the finite check and backward. Returns the detached metrics (on the
+        device) and the batch's real tokens.
+
+        Host syncs: `MICRO_BATCH_SYNCS` (the objective's selection of supervised slots and the
+        finite check); the token count and the cache rows are read on the host side.
+        """
+        cfg, acc, state = self.config, self.accelerator, self.state
+        host_batch = self.train_batches.collate(rows)
+        batch = host_batch.to(acc.device)
+        feats = self._features(host_batch, self.train_cache, device_batch=batch)
+        if self.online_topk:  # once per position, not once per (overlapping) block slot
+            feats = feats.with_topk(self.target_head, cfg.data.target_topk)
+        gen = batch_generator(cfg.seed, index)
+        anchors, anchor_mask = self._anchors(host_batch, gen, cfg.data.num_anchors)
+        replace, _ = replacement_mask(self.draft_config, state.step, self.total_steps,
+                                      anchors.shape, gen)
+        replace = replace.to(acc.device)
+        with acc.accumulate(self.engine):
+            loss, metrics = self.engine(
+                batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
+                anchors, anchor_mask, replace, step=state.step,
+                total_steps=self.total_steps, target_topk=feats.topk,
+            )
+            self._check_finite(loss, state.step, index)
+            acc.backward(loss)
+        return metrics, host_batch.num_tokens
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainResult:
@@ -303,26 +357,12 @@ class Trainer:
             for _ in range(cfg.optim.grad_accum_steps):
                 index, rows = next(stream)
                 seen.append(index)
-                batch = self.train_batches.collate(rows).to(acc.device)
-                feats = self._features(batch, self.train_cache)
-                gen = batch_generator(cfg.seed, index)
-                anchors, anchor_mask = self._anchors(batch, gen, cfg.data.num_anchors)
-                replace, _ = replacement_mask(self.draft_config, state.step, self.total_steps,
-                                              anchors.shape, gen)
-                replace = replace.to(acc.device)
-                with acc.accumulate(self.engine):
-                    loss, metrics = self.engine(
-                        batch.input_ids, feats.context, feats.final_hidden, batch.loss_mask,
-                        anchors, anchor_mask, replace, step=state.step,
-                        total_steps=self.total_steps, target_topk=feats.topk,
-                    )
-                    self._check_finite(loss, state.step, index)
-                    acc.backward(loss)
+                metrics, num_tokens = self._micro_batch(index, rows)
                 state.position += self.world
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().float()
                 micro_count += 1
-                tokens += batch.num_tokens
+                tokens += num_tokens
             # DeepSpeed stepped the optimizer at the accumulation boundary (in backward); the
             # schedule is the trainer's own LambdaLR, stepped once per optimizer step.
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
