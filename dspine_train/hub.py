@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,14 +162,36 @@ def upload_files(export_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
 
     Dotfiles and anything under a dot-folder (.git, .cache, editor and temp files) are never
     uploaded. The model card is written as README.md just before the upload, replacing any
-    README.md.
+    README.md. Only regular files are uploaded: a symbolic link (to a file or a folder, inside
+    or outside the export, dangling or not) or another non-regular file (a FIFO, a socket)
+    is an `ExportError` naming every one, since a link's content is not the export's (a link
+    to a system file would publish that file).
     """
     root = Path(export_dir)
-    files = {}
-    for item in root.rglob("*"):
-        relative = item.relative_to(root)
-        if item.is_file() and not any(part.startswith(".") for part in relative.parts):
-            files[relative.as_posix()] = item.stat().st_size
+    files: dict[str, int] = {}
+    refused: list[str] = []
+    # os.walk lists a linked folder among the folders and never descends into it
+    for folder, dirs, names in os.walk(root):
+        here = Path(folder)
+        dirs[:] = sorted(name for name in dirs if not name.startswith("."))
+        refused += [(here / name).relative_to(root).as_posix() + "/" for name in dirs
+                    if (here / name).is_symlink()]
+        for name in names:
+            if name.startswith("."):
+                continue
+            item = here / name
+            relative = item.relative_to(root).as_posix()
+            mode = item.lstat().st_mode
+            if stat.S_ISREG(mode):
+                files[relative] = item.lstat().st_size
+            else:
+                refused.append(relative)
+    if refused:
+        raise ExportError(
+            f"{root}: holds symbolic links or other non-regular files ({', '.join(sorted(refused))}"
+            "); only regular files inside the export are uploaded: replace each link by a copy "
+            "of its file, or remove it"
+        )
     return sorted(files.items())
 
 

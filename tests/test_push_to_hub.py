@@ -462,3 +462,55 @@ def test_bad_flags_fail_before_any_upload(tmp_path, hf_env, capsys, flags, messa
     assert run_main([export, "--repo-id", "org/name", *flags]) == 2
     assert message in capsys.readouterr().err
     assert FakeHfApi.instances == []
+
+
+# ------------------------------------------------------------------ issue 32: links, loading
+def _linked_export(tmp_path: Path) -> tuple[Path, Path]:
+    """An export with links out of it: to a file, to a folder, and one dangling."""
+    export = make_export(tmp_path / "export")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "passwd").write_text("root:x:0:0:secret\n")
+    (export / "notes.txt").symlink_to(outside / "passwd")
+    (export / "extra").mkdir()
+    (export / "extra" / "data").symlink_to(outside, target_is_directory=True)
+    (export / "gone.json").symlink_to(outside / "missing.json")
+    return export, outside
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+def test_links_in_the_export_refuse_the_push(tmp_path, hf_env, capsys, extra):
+    """A link's content is not the export's: nothing is listed or uploaded, and the one-line
+    error names every link (the dry run and the upload alike)."""
+    export, _ = _linked_export(tmp_path)
+    before = {p: p.lstat().st_mtime_ns for p in export.rglob("*")}
+    assert run_main([export, "--repo-id", "org/name", *extra]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"push_to_hub.py: error: {export}: ")
+    for name in ("notes.txt", "extra/data", "gone.json"):
+        assert name in line
+    assert "passwd" not in out and "root:x" not in out
+    assert FakeHfApi.instances == []  # nothing reached the Hub
+    assert {p: p.lstat().st_mtime_ns for p in export.rglob("*")} == before  # no card written
+
+
+def test_the_upload_itself_refuses_links(tmp_path, hf_env):
+    """`push_export` (the library call behind the upload) refuses before any request."""
+    export, _ = _linked_export(tmp_path)
+
+    def no_client(**kwargs):
+        raise AssertionError("nothing may be uploaded")
+
+    with pytest.raises(hub.ExportError, match="notes.txt"):
+        hub.push_export(export, "org/name", "card", token=TOKEN, api_factory=no_client)
+    with pytest.raises(hub.ExportError, match="extra/data"):
+        hub.upload_files(export)
+    assert not (export / "README.md").exists()
+    # without the links the same export uploads, and only its regular files
+    for name in ("notes.txt", "extra/data", "gone.json"):
+        (export / name).unlink()
+    assert run_main([export, "--repo-id", "org/name"]) == 0
+    (api,) = FakeHfApi.instances
+    assert all(not (export / name).is_symlink() for name in api.uploaded)
+    assert b"root:x" not in b"".join(api.content(name) for name in api.uploaded)
