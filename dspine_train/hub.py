@@ -128,12 +128,14 @@ def _weights(export_dir: Path) -> tuple[list[str], int, int]:
 def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
     """Check an export directory and read what the model card needs.
 
-    Requires config.json with `model_type` "dspine" and readable safetensors weights (the
-    header must parse and cover the whole file). `ExportError` names the offending file.
+    Requires only regular files (`upload_files`), config.json with `model_type` "dspine",
+    readable safetensors weights (the header must parse and cover the whole file), and that the
+    draft loads as a user will load it (`check_loads`). `ExportError` names the offending file.
     """
     path = Path(export_dir)
     if not path.is_dir():
         raise ExportError(f"{path}: not a directory")
+    upload_files(path)  # no links: what is checked below is what would be uploaded
     config_path = path / CONFIG_FILE
     config = _read_json(config_path)
     if config.get("model_type") != "dspine":
@@ -152,9 +154,45 @@ def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
             )
     info_path = path / TRAINING_INFO_FILE
     training_info = _read_json(info_path) if info_path.is_file() else {}
+    check_loads(path)
     return ExportInfo(
         path, config, weight_files, num_tensors, num_values, eval_results, training_info
     )
+
+
+def check_loads(export_dir: Path) -> None:
+    """Load the export as the engine does (`Engine.from_pretrained`: `check_draft_files`, then
+    the strict `formats.load_draft`), so a draft nobody could load is never published: a
+    config.json field missing or of the wrong type, weights that do not match it.
+
+    The whole draft is loaded once on the CPU (a few seconds for a large draft, less than its
+    upload). `ExportError` with the loader's message on one line.
+    """
+    # Imported here: the engine and the model classes pull in torch and transformers, which
+    # the rest of this module (and `push_to_hub.py --help`) does not need.
+    from transformers.utils import logging as hf_logging
+
+    from dspine_train.engine.validation import check_draft_files
+    from dspine_train.formats import load_draft
+
+    # A check, not a load the user asked for: no loading bar, and transformers' load report
+    # (its list of missing weights) is not printed beside the one-line error.
+    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        check_draft_files(export_dir)
+        load_draft(export_dir)
+    except Exception as err:  # noqa: BLE001 -- whatever stops the loader stops a user too
+        message = " ".join(str(err).split()) or type(err).__name__
+        if str(export_dir) not in message:
+            message = f"{export_dir}: {message}"
+        raise ExportError(f"the draft does not load as the engine loads it: {message} "
+                          f"({type(err).__name__})") from err
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def upload_files(export_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
