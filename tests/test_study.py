@@ -550,3 +550,14 @@ def test_the_study_reuses_its_own_folder_for_the_same_request(
     assert ("evaluate", "dspine") in ran
     assert (settings.archived_dir(variant) / study.RECORD_FILE).is_file()
 
+
+@pytest.mark.parametrize("value", [",", "", " , "])
+def test_an_empty_variant_list_is_refused(value: str, capsys: pytest.CaptureFixture) -> None:
+    from dspine_train.ablation.study_cli import main
+
+    for command in ("run", "steps"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--root", "/nonexistent", command, "--variants", value])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --variants: {value!r} names no variant" in err, err
