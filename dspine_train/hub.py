@@ -12,7 +12,11 @@ An export directory (written by the trainer's export step) holds:
                           k-1 is the share of blocks whose first k drafted tokens were accepted), and
                           any other scalar entries (temperature, num_prompts, ...), all shown
     training_info.json    optional; "recipe" (str) and "dataset" (str or list of str)
-    (token table and any other files are uploaded as they are; dotfiles and dot-folders never)
+    (token table and any other files are uploaded as they are; dotfiles and dot-folders never;
+    a symbolic link or another non-regular file refuses the whole push, naming it)
+
+Before anything is written or uploaded (the dry run too) the draft is loaded as the engine
+loads it (`check_loads`); an export that does not load is refused.
 
 The model card reports only what these files say; a missing measurement is written as
 "not measured", never estimated. Local absolute paths (a target or data file on this machine)
@@ -219,9 +223,9 @@ def upload_files(export_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
                 continue
             item = here / name
             relative = item.relative_to(root).as_posix()
-            mode = item.lstat().st_mode
-            if stat.S_ISREG(mode):
-                files[relative] = item.lstat().st_size
+            status = item.lstat()  # the entry itself, never what a link points at
+            if stat.S_ISREG(status.st_mode):
+                files[relative] = status.st_size
             else:
                 refused.append(relative)
     if refused:
@@ -514,6 +518,8 @@ def push_export(
     """Create the repo if needed, write the card into the export and upload its files.
 
     `private` applies when the repository is created (an existing one keeps its visibility).
+    The export is expected to have passed `validate_export` (which also loads the draft; the
+    card is rendered from its result); links are refused here again, before any request.
     The files uploaded are exactly `upload_files(export_dir)` (no dotfiles), JSON files as
     `public_json_files(export_dir, target_id)` cleans them (checked before any request). `endpoint`
     defaults to $HF_ENDPOINT / huggingface.co; each request gives up after `timeout` seconds
