@@ -307,12 +307,24 @@ def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def derived_request(settings: AblationSettings, variant: Variant) -> list[str]:
+    """What a derived variant's folder is made from, recorded as its `request.json`: the
+    source variant's export and the switches written into it."""
+    return [f"derived_from={settings.export_dir(_variant_named(variant.reuse))}",
+            *variant.hydra_overrides()]
+
+
 def prepare_variants(settings: AblationSettings, variants: Sequence[Variant], jobs: int = 1) -> None:
     """Train the trained variants (`jobs` at a time), then derive the others' exports.
 
-    With `jobs` > 1 the runs' output goes to their logs only; the wall times of runs that
-    shared the machine are not comparable, and the table says how many ran at once.
+    Every variant's folder is checked first (`check_run_dir`): one holding another run, or
+    made with other arguments, is refused before anything trains. With `jobs` > 1 the runs'
+    output goes to their logs only; the wall times of runs that shared the machine are not
+    comparable, and the table says how many ran at once.
     """
+    for variant in variants:
+        check_run_dir(settings.run_dir(variant), settings.train_arguments(variant)
+                      if variant.trained else derived_request(settings, variant))
     trained = [v for v in variants if v.trained]
     if jobs <= 1:
         for variant in trained:
@@ -325,6 +337,7 @@ def prepare_variants(settings: AblationSettings, variants: Sequence[Variant], jo
         if variant.trained:
             continue
         source = settings.export_dir(_variant_named(variant.reuse))
+        claim_run_dir(settings.run_dir(variant), derived_request(settings, variant))
         # Cheap (hard links + one small JSON), so always redone: it follows the source's weights.
         derive_export(source, settings.export_dir(variant), variant.switches)
         print(f"[ablate] {variant.name}: derived from {source} with {variant.switches}")
