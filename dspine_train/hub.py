@@ -12,7 +12,11 @@ An export directory (written by the trainer's export step) holds:
                           k-1 is the share of blocks whose first k drafted tokens were accepted), and
                           any other scalar entries (temperature, num_prompts, ...), all shown
     training_info.json    optional; "recipe" (str) and "dataset" (str or list of str)
-    (token table and any other files are uploaded as they are; dotfiles and dot-folders never)
+    (token table and any other files are uploaded as they are; dotfiles and dot-folders never;
+    a symbolic link or another non-regular file refuses the whole push, naming it)
+
+Before anything is written or uploaded (the dry run too) the draft is loaded as the engine
+loads it (`check_loads`); an export that does not load is refused.
 
 The model card reports only what these files say; a missing measurement is written as
 "not measured", never estimated. Local absolute paths (a target or data file on this machine)
@@ -32,6 +36,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,12 +132,14 @@ def _weights(export_dir: Path) -> tuple[list[str], int, int]:
 def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
     """Check an export directory and read what the model card needs.
 
-    Requires config.json with `model_type` "dspine" and readable safetensors weights (the
-    header must parse and cover the whole file). `ExportError` names the offending file.
+    Requires only regular files (`upload_files`), config.json with `model_type` "dspine",
+    readable safetensors weights (the header must parse and cover the whole file), and that the
+    draft loads as a user will load it (`check_loads`). `ExportError` names the offending file.
     """
     path = Path(export_dir)
     if not path.is_dir():
         raise ExportError(f"{path}: not a directory")
+    upload_files(path)  # no links: what is checked below is what would be uploaded
     config_path = path / CONFIG_FILE
     config = _read_json(config_path)
     if config.get("model_type") != "dspine":
@@ -151,9 +158,45 @@ def validate_export(export_dir: str | os.PathLike[str]) -> ExportInfo:
             )
     info_path = path / TRAINING_INFO_FILE
     training_info = _read_json(info_path) if info_path.is_file() else {}
+    check_loads(path)
     return ExportInfo(
         path, config, weight_files, num_tensors, num_values, eval_results, training_info
     )
+
+
+def check_loads(export_dir: Path) -> None:
+    """Load the export as the engine does (`Engine.from_pretrained`: `check_draft_files`, then
+    the strict `formats.load_draft`), so a draft nobody could load is never published: a
+    config.json field missing or of the wrong type, weights that do not match it.
+
+    The whole draft is loaded once on the CPU (a few seconds for a large draft, less than its
+    upload). `ExportError` with the loader's message on one line.
+    """
+    # Imported here: the engine and the model classes pull in torch and transformers, which
+    # the rest of this module (and `push_to_hub.py --help`) does not need.
+    from transformers.utils import logging as hf_logging
+
+    from dspine_train.engine.validation import check_draft_files
+    from dspine_train.formats import load_draft
+
+    # A check, not a load the user asked for: no loading bar, and transformers' load report
+    # (its list of missing weights) is not printed beside the one-line error.
+    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        check_draft_files(export_dir)
+        load_draft(export_dir)
+    except Exception as err:  # noqa: BLE001 -- whatever stops the loader stops a user too
+        message = " ".join(str(err).split()) or type(err).__name__
+        if str(export_dir) not in message:
+            message = f"{export_dir}: {message}"
+        raise ExportError(f"the draft does not load as the engine loads it: {message} "
+                          f"({type(err).__name__})") from err
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def upload_files(export_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
@@ -161,14 +204,36 @@ def upload_files(export_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
 
     Dotfiles and anything under a dot-folder (.git, .cache, editor and temp files) are never
     uploaded. The model card is written as README.md just before the upload, replacing any
-    README.md.
+    README.md. Only regular files are uploaded: a symbolic link (to a file or a folder, inside
+    or outside the export, dangling or not) or another non-regular file (a FIFO, a socket)
+    is an `ExportError` naming every one, since a link's content is not the export's (a link
+    to a system file would publish that file).
     """
     root = Path(export_dir)
-    files = {}
-    for item in root.rglob("*"):
-        relative = item.relative_to(root)
-        if item.is_file() and not any(part.startswith(".") for part in relative.parts):
-            files[relative.as_posix()] = item.stat().st_size
+    files: dict[str, int] = {}
+    refused: list[str] = []
+    # os.walk lists a linked folder among the folders and never descends into it
+    for folder, dirs, names in os.walk(root):
+        here = Path(folder)
+        dirs[:] = sorted(name for name in dirs if not name.startswith("."))
+        refused += [(here / name).relative_to(root).as_posix() + "/" for name in dirs
+                    if (here / name).is_symlink()]
+        for name in names:
+            if name.startswith("."):
+                continue
+            item = here / name
+            relative = item.relative_to(root).as_posix()
+            status = item.lstat()  # the entry itself, never what a link points at
+            if stat.S_ISREG(status.st_mode):
+                files[relative] = status.st_size
+            else:
+                refused.append(relative)
+    if refused:
+        raise ExportError(
+            f"{root}: holds symbolic links or other non-regular files ({', '.join(sorted(refused))}"
+            "); only regular files inside the export are uploaded: replace each link by a copy "
+            "of its file, or remove it"
+        )
     return sorted(files.items())
 
 
@@ -453,6 +518,8 @@ def push_export(
     """Create the repo if needed, write the card into the export and upload its files.
 
     `private` applies when the repository is created (an existing one keeps its visibility).
+    The export is expected to have passed `validate_export` (which also loads the draft; the
+    card is rendered from its result); links are refused here again, before any request.
     The files uploaded are exactly `upload_files(export_dir)` (no dotfiles), JSON files as
     `public_json_files(export_dir, target_id)` cleans them (checked before any request). `endpoint`
     defaults to $HF_ENDPOINT / huggingface.co; each request gives up after `timeout` seconds

@@ -4,11 +4,13 @@
         [--commit-message MSG] [--recipe NAME] [--dataset NAME] [--target-id ORG/TARGET]
         [--endpoint URL] [--timeout SECONDS]
 
-Checks the export (config.json with model_type "dspine", readable model.safetensors), writes
-README.md (the model card) into it, creates the repository if needed (private unless
-`--public`) and uploads the export's files (never dotfiles; JSON files without local absolute
-paths: config.json's target_name_or_path is uploaded as `--target-id`, default the recorded one
-when it is a Hub id, and a local one without `--target-id` is refused). Each HTTP request gives up after
+Checks the export (config.json with model_type "dspine", readable model.safetensors, regular
+files only: a symbolic link is refused; the draft must load with the engine's strict loader,
+in the dry run too), writes README.md (the model card) into it, creates the repository if
+needed (private unless `--public`) and uploads the export's files (never dotfiles; JSON files
+without local absolute paths: config.json's target_name_or_path is uploaded as `--target-id`,
+default the recorded one when it is a Hub id, and a local one without `--target-id` is
+refused). Each HTTP request gives up after
 `--timeout` seconds without progress (default 60) with a one-line error and exit status 1.
 `--dry-run` prints the repository, visibility, files and sizes and the card, and touches
 neither the export nor the network. The token comes from $HF_TOKEN or the cached

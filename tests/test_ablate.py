@@ -324,3 +324,33 @@ def test_unknown_variant_is_rejected(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         ablate.parse_args(["--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+def test_a_foreign_folder_of_a_derived_variant_is_refused_before_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A derived variant's folder holding another run is neither replaced nor written into,
+    and the refusal comes before any variant trains (issue 32)."""
+    from dspine_train.ablation import runner
+
+    ran: list = []
+
+    def fake_train(args, log_path, what, echo=True):  # leaves an export, as train.py does
+        ran.append(args)
+        export = Path(next(a for a in args if a.startswith("output_dir="))[11:]) / "final"
+        export.mkdir(parents=True)
+        (export / "config.json").write_text("{}")
+
+    monkeypatch.setattr(runner, "run_logged", fake_train)
+    settings = runner.AblationSettings(out_dir=tmp_path / "ablation", recipe="tiny", steps=8)
+    foreign = settings.out_dir / "dspine_no_tcache"
+    (foreign / "final").mkdir(parents=True)
+    (foreign / "final" / "config.json").write_text('{"mine": true}')
+    (foreign / "final" / "model.safetensors").write_bytes(b"my weights")
+    with pytest.raises(runner.AblationError) as err:
+        runner.prepare_variants(settings, select_variants(["dspine_no_tcache"]))
+    (line,) = str(err.value).splitlines()
+    assert str(foreign) in line and "did not write" in line
+    assert ran == []  # nothing trained
+    assert (foreign / "final" / "config.json").read_text() == '{"mine": true}'
+    assert (foreign / "final" / "model.safetensors").read_bytes() == b"my weights"
+    assert not (settings.out_dir / "dspine").exists()

@@ -28,35 +28,47 @@ push_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(push_script)
 
 
+_TEMPLATE: dict[str, bytes] = {}  # a tiny real export's files, built once per session
+
+
+def _template() -> dict[str, bytes]:
+    """The files of a tiny export the engine's strict loader accepts (2 layers, block 4)."""
+    if not _TEMPLATE:
+        import tempfile
+
+        import torch
+
+        from dspine_train.formats import write_format
+        from dspine_train.modeling import DSpineConfig, DSpineDraftModel
+
+        config = DSpineConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+            num_layers=2, target_layer_ids=[1, 2], target_num_layers=4, block_size=4,
+            mask_token_id=63, transfer_dim=16, message_size=8, candidate_k=4,
+            target_name_or_path="Qwen/Qwen3-8B", target_model_type="qwen3")
+        torch.manual_seed(0)
+        with tempfile.TemporaryDirectory() as tmp:
+            write_format(DSpineDraftModel(config), Path(tmp), "dspine")
+            _TEMPLATE.update({p.name: p.read_bytes() for p in Path(tmp).iterdir()})
+        rng = np.random.default_rng(0)
+        with tempfile.TemporaryDirectory() as tmp:
+            table = Path(tmp) / "token_table.safetensors"
+            save_file({"codes": rng.standard_normal((64, 16)).astype(np.float32)}, str(table))
+            _TEMPLATE[table.name] = table.read_bytes()
+    return _TEMPLATE
+
+
 def make_export(root: Path, **config_overrides) -> Path:
-    """A small export: config.json (model_type dspine, target fields) + model.safetensors."""
+    """A small export the engine loads: config.json (model_type dspine, target
+    Qwen/Qwen3-8B), model.safetensors, token_table.safetensors; `config_overrides` are
+    written into config.json."""
     root.mkdir(parents=True, exist_ok=True)
-    config = {
-        "model_type": "dspine",
-        "architectures": ["DSpineDraftModel"],
-        "target_name_or_path": "Qwen/Qwen3-8B",
-        "target_model_type": "qwen3",
-        "num_layers": 2,
-        "target_layer_ids": [1, 2],
-        "block_size": 4,
-        "block_attention": "causal",
-        "injection": True,
-        "transfer_dim": 16,
-        "message_size": 8,
-        "candidate_k": 4,
-        "transition_cache": True,
-        **config_overrides,
-    }
+    for name, content in _template().items():
+        (root / name).write_bytes(content)
+    config = json.loads((root / "config.json").read_text())
+    config.update(config_overrides)
     (root / "config.json").write_text(json.dumps(config))
-    rng = np.random.default_rng(0)
-    save_file(
-        {
-            "fc.weight": rng.standard_normal((64, 128)).astype(np.float32),
-            "norm.weight": np.ones(64, dtype=np.float32),
-        },
-        str(root / "model.safetensors"),
-    )
-    (root / "token_table.safetensors").write_bytes(b"\0" * 10)
     return root
 
 
@@ -315,7 +327,8 @@ def test_dry_run_prints_plan_and_card_without_network_or_writes(tmp_path, hf_env
     assert "token: found" in out
     size = (export / "model.safetensors").stat().st_size
     assert f"model.safetensors  {size / 1024:.1f} KiB" in out
-    assert "token_table.safetensors  10 B" in out
+    table = (export / "token_table.safetensors").stat().st_size
+    assert f"token_table.safetensors  {push_script._size(table)}" in out
     assert "README.md" in out and "config.json" in out
     assert "--- README.md ---" in out and "base_model: Qwen/Qwen3-8B" in out
     assert TOKEN not in out + err
@@ -371,12 +384,18 @@ def test_missing_export_dir_and_bad_repo_id(tmp_path, hf_env, capsys):
 
 def test_sharded_export_is_validated(tmp_path):
     export = make_export(tmp_path / "export")
+    from safetensors import safe_open
+
+    with safe_open(str(export / "model.safetensors"), "numpy") as weights:
+        shapes = {name: weights.get_slice(name).get_shape() for name in weights.keys()}
     (export / "model.safetensors").rename(export / "model-00001-of-00001.safetensors")
-    index = {"weight_map": {"fc.weight": "model-00001-of-00001.safetensors"}}
+    index = {"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors"
+                                            for name in shapes}}
     (export / "model.safetensors.index.json").write_text(json.dumps(index))
     info = hub.validate_export(export)
     assert info.weight_files == ["model-00001-of-00001.safetensors"]
-    assert (info.num_tensors, info.num_values) == (2, 64 * 128 + 64)
+    assert (info.num_tensors, info.num_values) == (
+        len(shapes), sum(int(np.prod(shape)) for shape in shapes.values()))
 
 
 def test_no_token_fails_before_any_upload(tmp_path, hf_env, monkeypatch, capsys):
@@ -462,3 +481,106 @@ def test_bad_flags_fail_before_any_upload(tmp_path, hf_env, capsys, flags, messa
     assert run_main([export, "--repo-id", "org/name", *flags]) == 2
     assert message in capsys.readouterr().err
     assert FakeHfApi.instances == []
+
+
+# ------------------------------------------------------------------ issue 32: links, loading
+def _linked_export(tmp_path: Path) -> tuple[Path, Path]:
+    """An export with links out of it: to a file, to a folder, and one dangling."""
+    export = make_export(tmp_path / "export")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "passwd").write_text("root:x:0:0:secret\n")
+    (export / "notes.txt").symlink_to(outside / "passwd")
+    (export / "extra").mkdir()
+    (export / "extra" / "data").symlink_to(outside, target_is_directory=True)
+    (export / "gone.json").symlink_to(outside / "missing.json")
+    return export, outside
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+def test_links_in_the_export_refuse_the_push(tmp_path, hf_env, capsys, extra):
+    """A link's content is not the export's: nothing is listed or uploaded, and the one-line
+    error names every link (the dry run and the upload alike)."""
+    export, _ = _linked_export(tmp_path)
+    before = {p: p.lstat().st_mtime_ns for p in export.rglob("*")}
+    assert run_main([export, "--repo-id", "org/name", *extra]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"push_to_hub.py: error: {export}: ")
+    for name in ("notes.txt", "extra/data", "gone.json"):
+        assert name in line
+    assert "passwd" not in out and "root:x" not in out
+    assert FakeHfApi.instances == []  # nothing reached the Hub
+    assert {p: p.lstat().st_mtime_ns for p in export.rglob("*")} == before  # no card written
+
+
+def test_the_upload_itself_refuses_links(tmp_path, hf_env):
+    """`push_export` (the library call behind the upload) refuses before any request."""
+    export, _ = _linked_export(tmp_path)
+
+    def no_client(**kwargs):
+        raise AssertionError("nothing may be uploaded")
+
+    with pytest.raises(hub.ExportError, match="notes.txt"):
+        hub.push_export(export, "org/name", "card", token=TOKEN, api_factory=no_client)
+    with pytest.raises(hub.ExportError, match="extra/data"):
+        hub.upload_files(export)
+    assert not (export / "README.md").exists()
+    # without the links the same export uploads, and only its regular files
+    for name in ("notes.txt", "extra/data", "gone.json"):
+        (export / name).unlink()
+    assert run_main([export, "--repo-id", "org/name"]) == 0
+    (api,) = FakeHfApi.instances
+    assert all(not (export / name).is_symlink() for name in api.uploaded)
+    assert b"root:x" not in b"".join(api.content(name) for name in api.uploaded)
+
+
+def _without(key: str):
+    def breakage(export: Path) -> None:
+        config = json.loads((export / "config.json").read_text())
+        del config[key]
+        (export / "config.json").write_text(json.dumps(config))
+    return breakage
+
+
+def _set(**fields):
+    def breakage(export: Path) -> None:
+        config = json.loads((export / "config.json").read_text())
+        config.update(fields)
+        (export / "config.json").write_text(json.dumps(config))
+    return breakage
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+@pytest.mark.parametrize(
+    "breakage, named",
+    [
+        (_set(block_size="8"), None),  # a wrongly typed field: the loader stops on it
+        (_without("hidden_size"), "hidden_size"),
+        (_set(num_layers=3), "weights do not match"),  # the weights hold 2 layers
+    ],
+    ids=["block_size_str", "no_hidden_size", "layers_not_in_weights"],
+)
+def test_an_export_the_engine_cannot_load_is_refused(tmp_path, hf_env, capsys, extra, breakage,
+                                                     named):
+    """The dry run and the upload load the export as the engine does; a draft nobody could
+    load is refused in one line, before anything is written or uploaded."""
+    export = make_export(tmp_path / "export")
+    breakage(export)
+    before = {p: p.read_bytes() for p in export.iterdir()}
+    assert run_main([export, "--repo-id", "org/name", *extra]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert line.startswith("push_to_hub.py: error: the draft does not load as the engine "
+                           f"loads it: {export}"), line
+    if named:
+        assert named in line
+    assert "--- README.md ---" not in out
+    assert FakeHfApi.instances == []
+    assert {p: p.read_bytes() for p in export.iterdir()} == before  # no card written
+
+
+def test_a_loadable_export_passes_the_load_check(tmp_path):
+    export = make_export(tmp_path / "export")
+    info = hub.validate_export(export)
+    assert info.config["block_size"] == 4

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dspine_train.ablation import runner, study
+from dspine_train.ablation.runner import AblationError
 from dspine_train.ablation.study import (
     StudyError,
     StudySettings,
@@ -99,6 +100,8 @@ def test_finished_variants_are_skipped_and_a_killed_one_resumes(
     assert len(calls) == 1
     train_with_sessions(settings, done)
     assert len(calls) == 1  # skipped: its export exists
+    # the study's own folder (its request.json is written before training starts)
+    runner.claim_run_dir(settings.run_dir(killed), settings.train_arguments(killed))
     ckpt = settings.run_dir(killed) / "checkpoints" / "step_00000008"
     ckpt.mkdir(parents=True)
     (ckpt / "train_state.json").write_text(json.dumps({"step": 8}))
@@ -142,7 +145,7 @@ def test_a_new_session_closes_the_killed_one_at_its_last_metrics_line(
     settings = tiny_settings(tmp_path)
     variant = StudyVariant("v", "v")
     run_dir = settings.run_dir(variant)
-    run_dir.mkdir(parents=True)
+    runner.claim_run_dir(run_dir, settings.train_arguments(variant))  # the study's own folder
     (run_dir / "sessions.json").write_text(json.dumps([{"start": 1000.0, "end": None}]))
     (run_dir / "metrics.jsonl").write_text("{}\n")
     os.utime(run_dir / "metrics.jsonl", (1300.0, 1300.0))
@@ -431,3 +434,130 @@ def test_steps_refuses_batches_it_would_not_time(tmp_path: Path) -> None:
 
     with pytest.raises(StudyError, match="--batches 3, --iters 2"):
         time_steps(tiny_settings(tmp_path), [StudyVariant("dspine", "")], tmp_path, 3, 2)
+
+
+# ------------------------------------------------------------------ issue 32: foreign folders
+def _no_work(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Fakes for everything `run_study` runs; the returned list records what it ran."""
+    ran: list = []
+    def fake_run(args, log_path, what, echo=True):  # a train.py run: its log, nothing else
+        ran.append(list(args))
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("train: 4/4 [00:04<00:00, 1.00s/step]\n")
+
+    monkeypatch.setattr(runner, "run_logged", fake_run)
+    monkeypatch.setattr(study, "run_logged", fake_run)  # the plan's step-time runs
+
+    def fake_evaluate(settings, variant, target):
+        ran.append(("evaluate", variant.name))
+        blocks([1] * 6).save(settings.run_dir(variant) / study.BLOCKS_FILE)
+        return {"simulated": blocks([1] * 6).summary(), "engine": []}
+
+    monkeypatch.setattr(study, "evaluate_final", fake_evaluate)
+    monkeypatch.setattr(study, "variant_record", lambda settings, v, result: record(
+        v.name, blocks([1] * 6), None))
+    monkeypatch.setattr(study, "check_variant_overrides", lambda *a: None)
+    monkeypatch.setattr(study, "ensure_features", lambda *a: None)
+    monkeypatch.setattr(study, "data_meta", lambda *a: None)
+    return ran
+
+
+def _snapshot(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_foreign_run_in_a_variant_folder_is_refused_not_archived(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variant folder holding another run (the demo's 450 steps, no checkpoints, no record
+    of the study's) is neither trained over nor archived as the variant."""
+    ran = _no_work(monkeypatch)
+    settings = tiny_settings(tmp_path, plan_steps=0, steps=20)
+    variant = StudyVariant("dspine", "ref")
+    foreign = settings.run_dir(variant)
+    fake_export(foreign)
+    (foreign / "metrics.jsonl").write_text('{"step": 450, "loss": 1.0}\n')
+    (foreign / "hydra").mkdir()
+    (foreign / "hydra" / "config.yaml").write_text("optim:\n  max_steps: 450\n")
+    before = _snapshot(tmp_path)
+    with pytest.raises(AblationError) as err:
+        study.run_study(settings, [variant], target="t")
+    (line,) = str(err.value).splitlines()
+    assert str(foreign) in line and "request.json" in line
+    assert ran == []  # nothing trained, evaluated or archived
+    assert not settings.archive.exists()
+    assert _snapshot(tmp_path) == before  # the foreign run is untouched
+
+
+def test_a_variant_folder_of_another_request_is_refused_naming_what_differs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The study's own folder from a run with other settings (its finished result included)
+    is not this study's result."""
+    ran = _no_work(monkeypatch)
+    variant = StudyVariant("dspine", "ref")
+    old = tiny_settings(tmp_path, plan_steps=0, steps=450)
+    fake_export(old.run_dir(variant))
+    (old.run_dir(variant) / "request.json").write_text(json.dumps(
+        {"train_arguments": old.train_arguments(variant)}))
+    blocks([1] * 6).save(old.run_dir(variant) / study.BLOCKS_FILE)
+    weights = old.export_dir(variant) / "model.safetensors"
+    (old.run_dir(variant) / "result.json").write_text(json.dumps(
+        {"weights_mtime_ns": weights.stat().st_mtime_ns, "simulated": {}}))
+    settings = tiny_settings(tmp_path, plan_steps=0, steps=20)
+    assert finished_result(settings, variant) is not None  # what was reused before
+    before = _snapshot(tmp_path)
+    with pytest.raises(AblationError) as err:
+        study.run_study(settings, [variant], target="t")
+    (line,) = str(err.value).splitlines()
+    assert str(settings.run_dir(variant)) in line
+    assert "optim.max_steps: 450 -> 20" in line
+    assert ran == [] and not settings.archive.exists()
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_foreign_plan_folder_is_refused_not_deleted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = _no_work(monkeypatch)
+    settings = tiny_settings(tmp_path, plan_steps=4)
+    variant = StudyVariant("dspine", "ref")
+    foreign = settings.out_dir / "plan" / variant.name
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(AblationError) as err:
+        study.run_study(settings, [variant], target="t")
+    (line,) = str(err.value).splitlines()
+    assert str(foreign) in line and "did not write" in line
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert ran == []
+    # the study's own earlier plan run is replaced by a new one
+    (foreign / "notes.txt").unlink()
+    (foreign / "request.json").write_text(json.dumps({"train_arguments": ["old"]}))
+    (foreign / "train.log").write_text("old")
+    study.measure_plan(settings, [variant], lambda v: False)
+    assert [a for a in ran[0] if a.startswith("output_dir=")] == [f"output_dir={foreign}"]
+    assert not (foreign / "train.log").read_text().startswith("old")
+
+
+def test_the_study_reuses_its_own_folder_for_the_same_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = _no_work(monkeypatch)
+    settings = tiny_settings(tmp_path, plan_steps=0)
+    variant = StudyVariant("dspine", "ref")
+    train_with_sessions(settings, variant)  # writes request.json before anything else
+    assert json.loads((settings.run_dir(variant) / "request.json").read_text()) == {
+        "train_arguments": settings.train_arguments(variant)}
+    fake_export(settings.run_dir(variant))
+    study.run_study(settings, [variant], target="t")
+    assert ("evaluate", "dspine") in ran
+    assert (settings.archived_dir(variant) / study.RECORD_FILE).is_file()
+
+
+@pytest.mark.parametrize("value", [",", "", " , "])
+def test_an_empty_variant_list_is_refused(value: str, capsys: pytest.CaptureFixture) -> None:
+    from dspine_train.ablation.study_cli import main
+
+    for command in ("run", "steps"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--root", "/nonexistent", command, "--variants", value])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --variants: {value!r} names no variant" in err, err

@@ -196,27 +196,72 @@ def _read_request(run_dir: Path) -> list[str] | None:
     return json.loads(path.read_text())["train_arguments"] if path.is_file() else None
 
 
+def written_here(directory: Path) -> bool:
+    """Whether the runner may use (and replace) `directory`: absent, an empty folder, or one
+    holding its `request.json` (written before anything else goes in)."""
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        return False
+    return (not directory.exists() or not any(directory.iterdir())
+            or (directory / REQUEST_FILE).is_file())
+
+
+def _differences(recorded: Sequence[str], arguments: Sequence[str]) -> str:
+    """What differs between two `train.py` argument lists, as `key: old -> new`."""
+
+    def pairs(items: Sequence[str]) -> dict[str, str]:
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in items)
+
+    old, new = pairs(recorded), pairs(arguments)
+    changed = [f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
+               for key in [*old, *(k for k in new if k not in old)] if old.get(key) != new.get(key)]
+    return "; ".join(changed) or "the same arguments in another order"
+
+
+def check_run_dir(run_dir: Path, arguments: Sequence[str]) -> None:
+    """Refuse a run directory that is not this runner's run of `arguments`.
+
+    A directory holding anything without the runner's `request.json` is another run (a demo
+    run, a hand-made folder): it is never reused as a variant's result, replaced or deleted.
+    One whose `request.json` records other arguments is refused naming what differs.
+    `AblationError` in one line, before anything is written.
+    """
+    if not written_here(run_dir):
+        raise AblationError(
+            f"{run_dir}: holds files this runner did not write (no {REQUEST_FILE} recording its "
+            "train.py arguments), e.g. another training run; it is never reused or deleted: "
+            "move it away or use another --out")
+    recorded = _read_request(run_dir)
+    if recorded is not None and recorded != list(arguments):
+        raise AblationError(
+            f"{run_dir} was trained with other arguments ({REQUEST_FILE} differs: "
+            f"{_differences(recorded, arguments)}); delete it or use another --out")
+
+
+def claim_run_dir(run_dir: Path, arguments: Sequence[str]) -> None:
+    """`check_run_dir`, then record `arguments` in the directory's `request.json` (created
+    with the directory, before anything else is written into it)."""
+    check_run_dir(run_dir, arguments)
+    if not (run_dir / REQUEST_FILE).is_file():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / REQUEST_FILE).write_text(json.dumps({"train_arguments": list(arguments)},
+                                                       indent=2))
+
+
 def train_variant(
     settings: AblationSettings, variant: Variant, echo: bool = True, side_by_side: int = 1
 ) -> bool:
     """Train one variant with `train.py` unless its export exists; True when it trained.
 
-    A directory trained with other arguments is refused (never silently reused or overwritten).
-    `echo=False` keeps the run's output in its log only; `side_by_side` (how many trainings
-    share the machine) is recorded with the wall time.
+    A directory trained with other arguments, or holding another run (no `request.json`), is
+    refused (`check_run_dir`: never silently reused or overwritten). `echo=False` keeps the
+    run's output in its log only; `side_by_side` (how many trainings share the machine) is
+    recorded with the wall time.
     """
     run_dir, arguments = settings.run_dir(variant), settings.train_arguments(variant)
-    recorded = _read_request(run_dir)
-    if recorded is not None and recorded != arguments:
-        raise AblationError(
-            f"{run_dir} was trained with other arguments ({REQUEST_FILE} differs: e.g. "
-            f"{sorted(set(recorded) ^ set(arguments))[:4]}); delete it or use another --out"
-        )
+    claim_run_dir(run_dir, arguments)
     if (settings.export_dir(variant) / "config.json").is_file():
         print(f"[ablate] {variant.name}: export exists, skipping training")
         return False
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / REQUEST_FILE).write_text(json.dumps({"train_arguments": arguments}, indent=2))
     from ..training.checkpointing import STATE_FILE, complete_checkpoints
 
     # An interrupted run resumes from its last checkpoint (`checkpoint.resume_from=latest`).
@@ -262,12 +307,24 @@ def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def derived_request(settings: AblationSettings, variant: Variant) -> list[str]:
+    """What a derived variant's folder is made from, recorded as its `request.json`: the
+    source variant's export and the switches written into it."""
+    return [f"derived_from={settings.export_dir(_variant_named(variant.reuse))}",
+            *variant.hydra_overrides()]
+
+
 def prepare_variants(settings: AblationSettings, variants: Sequence[Variant], jobs: int = 1) -> None:
     """Train the trained variants (`jobs` at a time), then derive the others' exports.
 
-    With `jobs` > 1 the runs' output goes to their logs only; the wall times of runs that
-    shared the machine are not comparable, and the table says how many ran at once.
+    Every variant's folder is checked first (`check_run_dir`): one holding another run, or
+    made with other arguments, is refused before anything trains. With `jobs` > 1 the runs'
+    output goes to their logs only; the wall times of runs that shared the machine are not
+    comparable, and the table says how many ran at once.
     """
+    for variant in variants:
+        check_run_dir(settings.run_dir(variant), settings.train_arguments(variant)
+                      if variant.trained else derived_request(settings, variant))
     trained = [v for v in variants if v.trained]
     if jobs <= 1:
         for variant in trained:
@@ -280,6 +337,7 @@ def prepare_variants(settings: AblationSettings, variants: Sequence[Variant], jo
         if variant.trained:
             continue
         source = settings.export_dir(_variant_named(variant.reuse))
+        claim_run_dir(settings.run_dir(variant), derived_request(settings, variant))
         # Cheap (hard links + one small JSON), so always redone: it follows the source's weights.
         derive_export(source, settings.export_dir(variant), variant.switches)
         print(f"[ablate] {variant.name}: derived from {source} with {variant.switches}")

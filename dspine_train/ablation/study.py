@@ -7,7 +7,10 @@ Layout of a study directory `<out>/` (`artifacts/study/run` by default):
     <variant>/                a `train.py` output dir: metrics.jsonl (loss terms, coverage, and
                               eval/tau with its SEs every `eval_every` steps), eval_blocks/
                               (per-block results of each evaluation), checkpoints/, final/
-        request.json          the exact `train.py` arguments (a rerun with others is refused)
+        request.json          the exact `train.py` arguments, written first: the folder is
+                              reused only with it and for the same arguments (a folder without
+                              it, e.g. another run, or a rerun with others is refused; the
+                              study never deletes a folder it did not write, `plan/` included)
         sessions.json         wall time of every training session (a killed one included)
         result.json           the final evaluation: simulated tau on every held-out block,
                               engine tau on held-out prompts with the lossless check
@@ -45,13 +48,17 @@ from typing import Any
 from ..training.block_stats import BlockResults, paired_difference
 from .runner import (
     REPO,
+    REQUEST_FILE,
     RUN_CONFIG,
     AblationError,
     AblationSettings,
+    check_run_dir,
+    claim_run_dir,
     ensure_features,
     harness_evaluator,
     run_logged,
     train_variant,
+    written_here,
 )
 from .study_variants import REFERENCE, STUDY_VARIANTS, StudyVariant
 
@@ -190,6 +197,21 @@ def seconds_per_step(log_text: str) -> float | None:
     return value if unit.startswith("s/") else 1.0 / max(value, 1e-9)
 
 
+def plan_dir(settings: StudySettings, variant: StudyVariant) -> Path:
+    """The scratch run that measures a variant's step time (`measure_plan`)."""
+    return settings.out_dir / "plan" / variant.name
+
+
+def check_plan_dir(settings: StudySettings, variant: StudyVariant) -> None:
+    """Refuse a plan folder the study did not write: the study replaces its own plan runs
+    (they hold its `request.json`), never another folder."""
+    run_dir = plan_dir(settings, variant)
+    if not written_here(run_dir):
+        raise StudyError(f"{run_dir}: holds files the study did not write (no {REQUEST_FILE}); "
+                         "the study replaces only its own step-time runs there: move it away "
+                         "or use another --out")
+
+
 def measure_plan(settings: StudySettings, variants: Sequence[StudyVariant],
                  finished: Callable[[StudyVariant], bool]) -> dict[str, Any]:
     """s/step of each unfinished variant from `plan_steps` steps (cached in plan.json)."""
@@ -199,13 +221,15 @@ def measure_plan(settings: StudySettings, variants: Sequence[StudyVariant],
         measured = plan.get(variant.name, {}).get("s_per_step") is not None
         if measured or finished(variant) or settings.plan_steps <= 0:
             continue
-        run_dir = settings.out_dir / "plan" / variant.name
-        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir = plan_dir(settings, variant)
+        check_plan_dir(settings, variant)
+        shutil.rmtree(run_dir, ignore_errors=True)  # the study's own earlier plan run
         arguments = [a for a in settings.train_arguments(variant)
                      if not a.startswith(("output_dir=", "checkpoint.resume_from=",
                                           "eval.max_blocks="))]
         arguments += [f"output_dir={run_dir}", f"optim.max_steps={settings.plan_steps}",
                       "eval.max_blocks=8", "checkpoint.every=0"]
+        claim_run_dir(run_dir, arguments)  # marks the folder as the study's
         start = time.perf_counter()
         run_logged(["train.py", *arguments], run_dir / "train.log",
                    f"measuring {variant.name}'s step time", echo=False)
@@ -289,8 +313,10 @@ def train_with_sessions(settings: StudySettings, variant: StudyVariant) -> None:
     """`runner.train_variant` (skip when exported, resume from the last checkpoint), with
     the session's wall time recorded even when it is killed."""
     run_dir = settings.run_dir(variant)
+    # the folder's request.json first: it proves the folder is this study's (`check_run_dir`)
+    claim_run_dir(run_dir, settings.train_arguments(variant))
     if (settings.export_dir(variant) / "config.json").is_file():
-        train_variant(settings, variant)  # checks the request, prints the skip
+        train_variant(settings, variant)  # prints the skip
         return
     sessions = _sessions(run_dir)
     metrics = run_dir / "metrics.jsonl"
@@ -551,6 +577,18 @@ def report_variants(settings: StudySettings, variants: Sequence[StudyVariant]
             if v.name in chosen or (settings.archived_dir(v) / RECORD_FILE).is_file()]
 
 
+def check_variant_dirs(settings: StudySettings, variants: Sequence[StudyVariant]) -> None:
+    """Before anything runs: every variant still to run (not archived) has no folder, or the
+    study's own for the same `train.py` arguments (its `request.json`), and a plan folder the
+    study wrote. A foreign folder (another run's export, metrics, ...) or another request is
+    refused in one line naming the folder and what differs; nothing is reused or deleted."""
+    for variant in variants:
+        if (settings.archived_dir(variant) / RECORD_FILE).is_file():
+            continue  # its result comes from the archive; the run folder is not read
+        check_run_dir(settings.run_dir(variant), settings.train_arguments(variant))
+        check_plan_dir(settings, variant)
+
+
 def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
               target: str, stop_after: int | None = None) -> list[Path]:
     """Every variant in turn: plan, train (skip/resume), final evaluation, report.
@@ -561,8 +599,9 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
     from .report import git_commit
     from .study_report import target_title, write_study_report
 
-    settings.out_dir.mkdir(parents=True, exist_ok=True)
     check_variant_overrides(settings, variants)
+    check_variant_dirs(settings, variants)
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
     ensure_features(settings)
     plan = measure_plan(settings, variants, lambda v: (
         (settings.archived_dir(v) / RECORD_FILE).is_file()
@@ -589,6 +628,8 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
             print(f"[study] {variant.name}: archived in {settings.archived_dir(variant)}, "
                   "skipping", flush=True)
         else:
+            # a result counts only in the study's own folder for this request
+            check_run_dir(settings.run_dir(variant), settings.train_arguments(variant))
             result = finished_result(settings, variant)
             if result is None:
                 train_with_sessions(settings, variant)

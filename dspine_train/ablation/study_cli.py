@@ -31,6 +31,17 @@ MIN_STEPS = 1500
 MIN_EPOCHS = 3.0
 
 
+def variant_names(value: str) -> list[str]:
+    """`--variants`: comma-separated names; a list naming none (`,`, empty) is refused rather
+    than taken as "every variant", which is what leaving the option out means."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} names no variant; give comma-separated names, or leave --variants out "
+            "for the default set")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(prog="study.py", description=__doc__,
@@ -54,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--no-answers-archive", action="store_true",
                       help="neither restore nor write the answers archive")
     run = sub.add_parser("run", help="train and evaluate the variants, write the report")
-    run.add_argument("--variants", default="",
+    run.add_argument("--variants", type=variant_names, default=None,
                      help="comma-separated variants (default: every non-optional one)")
     run.add_argument("--steps", type=int, default=0,
                      help=f"optimizer steps (0: max({MIN_STEPS}, {MIN_EPOCHS:g} epochs))")
@@ -90,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "and features (artifacts/demo), 4 engine prompts x 16 tokens")
     steps = sub.add_parser("steps", help="time one training step of every variant, "
                            "interleaved on the same batches (the report's step-time ratios)")
-    steps.add_argument("--variants", default="",
+    steps.add_argument("--variants", type=variant_names, default=None,
                        help="comma-separated variants (default: every one, optional included)")
     steps.add_argument("--seed", type=int, default=0)
     steps.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
@@ -161,7 +172,7 @@ def run_command(args: argparse.Namespace) -> int:
     from .study_variants import select_study_variants
 
     data = data_settings(args)
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    names = args.variants or []
     if args.smoke:
         names = names or ["dspine", "dflash"]
         args.steps = args.steps or 20
@@ -209,7 +220,7 @@ def steps_command(args: argparse.Namespace) -> int:
     from .study_variants import STUDY_VARIANTS, select_study_variants
 
     data = data_settings(args)
-    names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(STUDY_VARIANTS)
+    names = args.variants or list(STUDY_VARIANTS)
     variants = select_study_variants(names)
     features = args.root / "features"
     overrides = [f"recipe={RECIPE}", f"seed={args.seed}", *shared_overrides(args, data)]
