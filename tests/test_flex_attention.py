@@ -69,6 +69,40 @@ def test_compiled_flex_forward_equals_dense_sdpa_and_a_new_length_does_not_recom
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
             if i == 1:  # a new sequence length (and anchor positions): the same compiled graphs
                 assert _graphs() == before
+        # a short last batch is a new shape class (flex specialises the batch size), once
+        graphs = _graphs()
+        for seq_len in (44, 60):
+            ids, feats, anchors, anchor_mask = _inputs(target, draft, 1, seq_len, seed=seq_len)
+            draft(ids, feats, anchors, anchor_mask, use_flex=True)
+        assert _graphs() - graphs <= 2  # the mask builder and the attention, for batch size 1
+    # A long run meets: training and evaluation batch sizes and their short last batches, each
+    # with and without grad, per compiled function: dynamo's default limit of 8 is too close.
+    limit = getattr(torch._dynamo.config, "recompile_limit", None)
+    assert (limit or torch._dynamo.config.cache_size_limit) >= cf.RECOMPILE_LIMIT
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_long_cuda_run_compiles_each_shape_class_once(target):
+    """Train (grad) and evaluation (no grad) forwards over new lengths and a short last batch
+    compile once per (mode, batch size), far from the recompile limit."""
+    draft = tiny_draft(target)
+    randomise_injection(draft)
+    shapes = [(bsz, seq_len) for bsz in (2, 1) for seq_len in (40, 52, 64)]
+    inputs = {shape: [t.cuda() for t in _inputs(target, draft, *shape)] for shape in shapes}
+    draft.cuda()
+    counts = []
+    for grad in (True, False):
+        for bsz in (2, 1):
+            before = _graphs()
+            for seq_len in (40, 52, 64):
+                ids, feats, anchors, anchor_mask = inputs[(bsz, seq_len)]
+                with torch.set_grad_enabled(grad):
+                    out = draft(ids, feats, anchors, anchor_mask, use_flex=True)
+                    if grad:
+                        out.hidden.float().pow(2).mean().backward()
+            counts.append(_graphs() - before)
+    assert sum(counts) < cf.RECOMPILE_LIMIT and all(c <= 4 for c in counts), counts
 
 
 def test_flex_path_refuses_to_run_eagerly(target):

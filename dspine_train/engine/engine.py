@@ -134,7 +134,11 @@ class Engine:
         use_graphs = cuda_graphs and cuda
         use_compile = cuda if compile is None else bool(compile)
         if use_compile:
-            _raise_recompile_limit()
+            # a compiled variant per (shape, kv bucket) of each step; imported here, as the draft
+            # is: the modeling package is not needed by plain decoding
+            from dspine_train.modeling.compiled_flex import raise_recompile_limit
+
+            raise_recompile_limit()
         pool = torch.cuda.graph_pool_handle() if use_graphs else None
         steps = dict(
             graphs=use_graphs,
@@ -666,15 +670,6 @@ class Engine:
                 )
             self._draft_caches[batch] = cache
         return cache
-
-
-def _raise_recompile_limit(limit: int = 64) -> None:
-    """Let dynamo keep a compiled variant per (shape, kv bucket) of each step (default 8)."""
-    import torch._dynamo.config as dynamo_config
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if getattr(dynamo_config, name, limit) < limit:
-            setattr(dynamo_config, name, limit)
 
 
 @dataclass

@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="timing iterations (default 50 on CUDA, 3 on CPU)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="sections not started within this many seconds are skipped")
-    parser.add_argument("--pytest-timeout", type=float, default=240.0)
+    parser.add_argument("--pytest-timeout", type=float, default=480.0)
     parser.add_argument("--only", nargs="*", default=None, help="run only these sections")
     return parser.parse_args(argv)
 

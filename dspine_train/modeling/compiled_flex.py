@@ -16,8 +16,9 @@ Dynamo compiles a new attention graph per: grad mode (training step vs evaluatio
 (the flex kernel specialises it; training keeps `data.batch_size`, evaluation its own), block
 attention kind (causal or bidirectional), device and dtype. A run thus compiles on its first
 training step and on its first evaluation (tens of seconds each on a GPU; 30-90 s on a CPU for
-a tiny forward); past `torch._dynamo.config.recompile_limit` (8) graphs `fullgraph=True` makes
-dynamo raise, which surfaces here as `FlexAttentionUnavailable`.
+a tiny forward). Dynamo's default limit of 8 graphs per function is raised to
+`RECOMPILE_LIMIT` (64) before the first compile; past it `fullgraph=True` makes dynamo raise,
+which surfaces here as `FlexAttentionUnavailable`.
 
 The mask itself is not cached across steps: it depends on the anchor positions, drawn anew for
 every batch. One forward builds it once and every layer shares it.
@@ -100,9 +101,26 @@ def _fused_attention(
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let dynamo keep `limit` compiled graphs per function instead of its default 8.
+
+    A long training run meets several shape classes per compiled function (grad and no-grad
+    mode x the batch size and a short last batch, for training and for evaluation); the engine
+    one per (shape, kv bucket) of each step. Past the limit `fullgraph=True` raises mid-run."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo_config, name, limit) < limit:
+            setattr(dynamo_config, name, limit)
+
+
 def _compiled_fn(name: str, fn: Callable) -> Callable:
     """`torch.compile(fn)` once per process (dynamo's guards then cache one graph per shape class)."""
     if name not in _compiled:
+        raise_recompile_limit()
         _compiled[name] = torch.compile(fn, dynamic=True, fullgraph=True)
     return _compiled[name]
 
