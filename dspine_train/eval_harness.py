@@ -96,9 +96,13 @@ def encode_messages(tokenizer: Any, prompts: Sequence[Messages],
                     chat_template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """Token ids of chat prompts, through the chat template (as the engine encodes a prompt),
     rendered with `chat_template_kwargs` (the engine's: those of the draft's training rows)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise BenchmarkError("the target has no tokenizer with a chat template; the benchmarks "
-                             "are chat prompts")
+    if tokenizer is None:
+        raise BenchmarkError("the target has no tokenizer; the benchmarks are chat prompts")
+    if not getattr(tokenizer, "chat_template", None):
+        source = getattr(tokenizer, "name_or_path", None) or "the target"
+        raise BenchmarkError(f"{source}: the target's tokenizer has no chat template (a base "
+                             "model?); the benchmarks are chat prompts: evaluate a chat model, "
+                             "or add a chat_template to its tokenizer_config.json")
     encoded = []
     for messages in prompts:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
