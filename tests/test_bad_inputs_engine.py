@@ -1,7 +1,8 @@
-"""Bad requests to the engine CLI that only the loaded target and draft can judge: one `error:`
-line naming the option and the bound, exit status 2, no traceback, nothing written.
+"""Bad requests to the engine CLI, most of which only the loaded target and draft can judge:
+one `error:` line naming the option and the bound, exit status 2, no traceback, nothing written.
 
-(Flag values judged before loading are in `test_bad_inputs_cli.py`.) The tiny target holds 512
+(Most flag values judged before loading are in `test_bad_inputs_cli.py`; `--stop ''` and
+`--tree-nodes` without `--tree-paths` are here, with the tree bounds.) The tiny target holds 512
 positions; the draft has blocks of 8 (7 drafted tokens) and 4 candidates per slot, so its
 lattice holds 4^7 = 16384 paths.
 """
