@@ -87,3 +87,21 @@ def test_a_base_model_target_names_the_target_and_the_setting(tmp_path, capsys):
     assert line.startswith(f"error: {tmp_path / 'target'}: the target's tokenizer has no chat "
                            "template"), line
     assert "chat_template" in line.split("no chat template", 1)[1]  # where a template goes
+
+
+def test_a_benchmark_prompt_beyond_the_target_s_positions_names_the_bound(tmp_path, capsys):
+    """The harness sizes the engine's cache from the prompts, never beyond the target's
+    positions: a prompt that needs more is refused naming them, not a traceback."""
+    hf = build_tiny_target(tmp_path / "target", "qwen3", num_hidden_layers=6, eos_token_id=None)
+    tokenizer = build_tokenizer(tmp_path / "target", vocab_size=200)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "target")
+    tiny_draft(hf, 200).save_pretrained(tmp_path / "draft")
+    bench = tmp_path / "long.jsonl"
+    words = " ".join(f"w{2 + i % 150}" for i in range(600))
+    bench.write_text(f'{{"prompt": "{words}"}}\n', encoding="utf-8")
+    line = _refused(tmp_path, capsys, ["--bench", str(bench), "--device", "cpu",
+                                       "--max-new-tokens", "4"],
+                    target=tmp_path / "target", draft=tmp_path / "draft")
+    assert line.startswith("error: the longest prompt (600 tokens) + max_new_tokens (4)"), line
+    assert line.endswith("beyond the target's max_position_embeddings=512"), line
