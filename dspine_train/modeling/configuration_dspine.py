@@ -91,8 +91,6 @@ def _describe_type(kind: Any) -> str:
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe_type(arg) for arg in args)
-    if origin is Literal:
-        return "one of " + ", ".join(json.dumps(arg) for arg in args)
     if origin is list and args:
         return f"a list of {_describe_type(args[0]).split(' ', 1)[1]}s"
     return _TYPE_WORDS.get(origin or kind, str(kind))
@@ -101,6 +99,11 @@ def _describe_type(kind: Any) -> str:
 def _accepts_float(kind: Any) -> bool:
     """Whether annotation `kind` admits a float (`float`, `float | None`)."""
     return kind is float or float in typing.get_args(kind)
+
+
+def _is_choice(kind: Any) -> bool:
+    """Whether annotation `kind` is a `Literal` (or a `Literal | None`)."""
+    return Literal in (typing.get_origin(kind), *map(typing.get_origin, typing.get_args(kind)))
 
 
 class DSpineConfig(PreTrainedConfig):
@@ -322,11 +325,10 @@ class DSpineConfig(PreTrainedConfig):
             if _accepts_float(kind) and type(value) is int:
                 value = float(value)
                 setattr(self, name, value)
-            elif isinstance(value, tuple) and typing.get_origin(kind) is not Literal:
+            elif isinstance(value, tuple) and not _is_choice(kind):
                 value = list(value)
                 setattr(self, name, value)
-            if typing.get_origin(kind) is Literal or Literal in map(
-                    typing.get_origin, typing.get_args(kind)):
+            if _is_choice(kind):
                 continue  # the value checks (`apply_method`, `_check_settings`) name the choices
             try:
                 type_validator(name, value, kind)
