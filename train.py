@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from dspine_train.training.config import ConfigError, register_configs, to_train_config
 from dspine_train.training.errors import TrainingError
+from dspine_train.training.recipe_help import exit_on_help
 
 register_configs()
 
@@ -47,4 +48,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_help(__doc__)  # before Hydra, which needs a recipe to compose its help
     main()

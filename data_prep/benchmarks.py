@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from data_prep.config import REPO_ROOT, BuiltinSource, SourceConfig, SourcePart
 from data_prep.schema import ROLE_ALIASES, Conversation, DataError
 from data_prep.sources import load_source, stable_subset
+from dspine_train.engine.prompts import utf8_problem
 from dspine_train.eval_harness import Benchmark, BenchmarkError, Messages
 
 BUILTIN_BENCHES = ("humaneval", "sharegpt")
@@ -125,20 +126,26 @@ def load_file(path: str | Path, *, limit: int | None) -> Benchmark:
     if not path.is_file():
         raise BenchmarkError(f"{path}: benchmark file not found (builtin names: "
                              f"{', '.join(BUILTIN_BENCHES)})")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise BenchmarkError(f"{path}: cannot read ({err.strerror})") from err
+    problem = utf8_problem(path, data)  # named by line and offset, as the engine's --prompts
+    if problem:
+        raise BenchmarkError(problem)
     prompts, ids = [], []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if limit is not None and len(prompts) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise BenchmarkError(f"{path}:{number}: not valid JSON ({err.msg})") from err
-            prompts.append(_file_row(record, f"{path}:{number}"))
-            row_id = record.get("id", record.get("task_id"))
-            ids.append(str(row_id) if row_id is not None else f"{path.name}:{number}")
+    for number, line in enumerate(data.decode("utf-8").split("\n"), start=1):
+        if limit is not None and len(prompts) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise BenchmarkError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+        prompts.append(_file_row(record, f"{path}:{number}"))
+        row_id = record.get("id", record.get("task_id"))
+        ids.append(str(row_id) if row_id is not None else f"{path.name}:{number}")
     if not prompts:
         raise BenchmarkError(f"{path}: no prompts in the file")
     return Benchmark(path.stem, prompts, ids, {"source": str(path), "part": "first rows"})

@@ -44,6 +44,7 @@ from dspine_train.training.offline_features import (
     estimate_cache_bytes,
     write_feature_cache,
 )
+from dspine_train.training.recipe_help import exit_on_help
 from dspine_train.training.target import TargetFeatureExtractor, load_target, target_head_weights
 
 register_configs()
@@ -129,4 +130,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_help(__doc__)  # before Hydra, which needs a recipe to compose its help
     main()

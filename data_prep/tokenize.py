@@ -281,6 +281,10 @@ def run_tokenize(data: DataConfig) -> dict[str, Any]:
         raise DataError(f"tokenize.tokenizer_path {config.tokenizer_path} does not exist "
                         f"(for the default target run: python -m data_prep.default_target)")
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path)
+    if not getattr(tokenizer, "chat_template", None):  # the rows are rendered as chats
+        raise DataError(f"data.tokenize.tokenizer_path {config.tokenizer_path}: the tokenizer "
+                        "has no chat template (a base model?); point it at a chat model's "
+                        "tokenizer, or add a chat_template to its tokenizer_config.json")
     kwargs = {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
     return tokenize_files(paths, tokenizer, config.output_dir, max_length=config.max_length,
                           truncation=config.truncation,

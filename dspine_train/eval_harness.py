@@ -96,9 +96,13 @@ def encode_messages(tokenizer: Any, prompts: Sequence[Messages],
                     chat_template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """Token ids of chat prompts, through the chat template (as the engine encodes a prompt),
     rendered with `chat_template_kwargs` (the engine's: those of the draft's training rows)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise BenchmarkError("the target has no tokenizer with a chat template; the benchmarks "
-                             "are chat prompts")
+    if tokenizer is None:
+        raise BenchmarkError("the target has no tokenizer; the benchmarks are chat prompts")
+    if not getattr(tokenizer, "chat_template", None):
+        source = getattr(tokenizer, "name_or_path", None) or "the target"
+        raise BenchmarkError(f"{source}: the target's tokenizer has no chat template (a base "
+                             "model?); the benchmarks are chat prompts: evaluate a chat model, "
+                             "or add a chat_template to its tokenizer_config.json")
     encoded = []
     for messages in prompts:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -213,6 +217,7 @@ def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchm
     from transformers import AutoTokenizer
 
     from dspine_train.engine import Engine
+    from dspine_train.target_config import read_target_config
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -224,11 +229,21 @@ def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchm
     kwargs = draft_config.get("chat_template_kwargs")
     longest = max(len(ids) for bench in benches
                   for ids in encode_messages(tokenizer, bench.prompts, kwargs))
-    block = int(draft_config.get("block_size", 16))
+    block = draft_config.get("block_size")
+    block = block if isinstance(block, int) else 16  # a bad one is the engine's to name
     width = 0 if tree_paths <= 1 else (tree_nodes or tree_paths * (block - 1))
+    needed = longest + max_new_tokens + max(block, width) + 1
+    try:
+        config = read_target_config(target)
+    except (OSError, ValueError) as err:
+        raise BenchmarkError(str(err)) from err
+    positions = getattr(getattr(config, "text_config", None) or config,
+                        "max_position_embeddings", None)
+    # Never beyond the target's positions: a request that needs more is refused at generate,
+    # naming the prompt, max_new_tokens and that bound.
     return Engine.from_pretrained(target, draft, device=device, tokenizer=tokenizer,
                                   max_batch_size=batch_size,
-                                  max_seq_len=longest + max_new_tokens + max(block, width) + 1)
+                                  max_seq_len=min(needed, positions or needed))
 
 
 # ---------------------------------------------------------------------------------- reports

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from data_prep.benchmarks import load_benchmark
+from dspine_train.engine.cli import device_problem
 from dspine_train.engine.errors import (
     CheckpointError,
     GenerationInputError,
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exported draft directory, or NAME=DIR (repeatable)")
     parser.add_argument("--bench", default="humaneval,sharegpt",
                         help="comma-separated: humaneval, sharegpt, or JSONL paths")
-    parser.add_argument("--temperatures", type=_floats, default=[0.0, 1.0])
+    parser.add_argument("--temperatures", type=_floats, default=None,
+                        help="comma-separated (default 0,1; --parity decodes at 0 only)")
     parser.add_argument("--limit", type=int, default=8,
                         help="prompts per benchmark (--parity: rows of the split)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
@@ -98,6 +100,27 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--dtype", choices=_DTYPES, default="float32",
                         help="dtype of the target and draft in both paths (default: float32)")
     return parser
+
+
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """The first flag that cannot be honoured as given, as a message naming it, or None:
+    checked before anything is loaded, so no setting is silently ignored or replaced."""
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if args.tree_paths < 1:
+        return f"--tree-paths must be >= 1, got {args.tree_paths}"
+    if args.tree_nodes is not None and args.tree_paths == 1:
+        return (f"--tree-nodes {args.tree_nodes} sizes a token tree: it needs --tree-paths > 1 "
+                "(the chain verifies --num-draft-tokens nodes)")
+    if args.parity:
+        # Parity decodes the chain at T=0, as the trainer's simulation walks it.
+        given = [flag for flag, value in (("--temperatures", args.temperatures is not None),
+                                          ("--tree-paths", args.tree_paths != 1))
+                 if value]
+        if given:
+            return (f"--parity compares the trainer's T=0 chain with the engine's; "
+                    f"{' and '.join(given)} would not apply: drop them")
+    return device_problem(args.device) if args.device is not None else None
 
 
 def run_parity_mode(args: argparse.Namespace) -> int:
@@ -136,9 +159,16 @@ def run_parity_mode(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
+    problem = argument_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.parity:
         return run_parity_mode(args)
-    args.max_new_tokens = args.max_new_tokens or 64
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 64
+    if args.temperatures is None:
+        args.temperatures = [0.0, 1.0]
     benches = [b.strip() for b in args.bench.split(",") if b.strip()]
     names = [name for name, _ in args.draft]
     if len(set(names)) != len(names):

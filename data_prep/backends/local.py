@@ -78,6 +78,10 @@ class LocalBackend:
                             f"(for the default target run: python -m data_prep.default_target)")
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        if not getattr(tokenizer, "chat_template", None):  # each turn is rendered as a chat
+            raise DataError(f"regenerate.local.model_path {config.model_path}: the tokenizer has "
+                            "no chat template (a base model?); regenerate with a chat model, or "
+                            "add a chat_template to its tokenizer_config.json")
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:

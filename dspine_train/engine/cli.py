@@ -14,7 +14,6 @@ any model is loaded; a bad one is reported in one line naming it, with exit stat
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import math
 import sys
@@ -30,7 +29,7 @@ from dspine_train.engine.errors import (
     GenerationInputError,
     IncompatibleDraftError,
 )
-from dspine_train.engine.prompts import read_prompts
+from dspine_train.engine.prompts import read_prompts, utf8_problem
 from dspine_train.engine.stats import GenerationStats, sum_stats
 from dspine_train.writable import output_problem
 
@@ -64,18 +63,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def device_problem(name: str) -> str | None:
+    """Why `--device name` cannot be used here (not a torch device, or CUDA without CUDA),
+    as a message naming the flag, or None."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"--device {name!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {name}: CUDA is not available here (use --device cpu)"
+    return None
+
+
 def engine_argument_problem(args: argparse.Namespace) -> str | None:
     """The first unusable `add_engine_arguments` value, as a message naming the flag, or None."""
     if args.batch_size < 1:
         return f"--batch-size must be >= 1, got {args.batch_size}"
     if args.max_seq_len is not None and args.max_seq_len < 1:
         return f"--max-seq-len must be >= 1, got {args.max_seq_len}"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        return f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return f"--device {args.device}: CUDA is not available here (use --device cpu)"
+    problem = device_problem(args.device)
+    if problem:
+        return problem
     if args.chat_template_kwargs is not None:
         try:
             value = json.loads(args.chat_template_kwargs)
@@ -133,6 +141,11 @@ def _generation_argument_problem(args: argparse.Namespace) -> str | None:
         return f"--tree-paths must be >= 1, got {args.tree_paths}"
     if args.tree_nodes is not None and args.tree_nodes < 1:
         return f"--tree-nodes must be >= 1, got {args.tree_nodes}"
+    if args.tree_nodes is not None and args.tree_paths == 1:
+        return (f"--tree-nodes {args.tree_nodes} sizes a token tree: it needs --tree-paths > 1 "
+                "(the chain verifies --num-draft-tokens nodes)")
+    if "" in args.stop:
+        return "--stop '': an empty stop string would end every answer after its first token"
     return None
 
 
@@ -147,17 +160,8 @@ def _prompts_file_problem(path: Path) -> str | None:
         data = path.read_bytes()
     except OSError as err:
         return f"--prompts {path}: cannot read ({err.strerror})"
-    if data.startswith(codecs.BOM_UTF8):
-        return f"--prompts {path}: starts with a UTF-8 byte-order mark; save it without one"
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        return (
-            f"--prompts {path}:{line}: not valid UTF-8 (byte 0x{data[err.start]:02x} at offset "
-            f"{err.start}); save the file as UTF-8"
-        )
-    return None
+    problem = utf8_problem(path, data)
+    return f"--prompts {problem}" if problem else None
 
 
 def _write_output(path: Path, report: dict) -> str | None:

@@ -107,7 +107,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = target.device
         self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len or min(target.config.max_position_embeddings, 4096)
+        positions = target.config.max_position_embeddings
+        if max_seq_len is not None and max_seq_len > positions:
+            raise GenerationInputError(
+                f"max_seq_len={max_seq_len} (CLI: --max-seq-len) exceeds the target's "
+                f"max_position_embeddings={positions}: at most {positions}")
+        self.max_seq_len = max_seq_len or min(positions, 4096)
         self.kv_bucket_size = kv_bucket_size
         self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else [])
         self._eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
@@ -248,18 +253,42 @@ class Engine:
             )
         if paths > 1 and self.draft is None:
             raise GenerationInputError("tree_paths > 1 needs a draft")
+        if paths == 1 and nodes is not None:  # a chain has no tree to size: not ignored
+            raise GenerationInputError(
+                f"tree_nodes={nodes} (CLI: --tree-nodes) sizes a token tree and needs "
+                "tree_paths > 1 (CLI: --tree-paths); the chain verifies num_draft_tokens nodes")
         self.tree_paths, self.tree_nodes = int(paths), nodes
 
     def _tree_budget(self, num_draft: int) -> int | None:
         """Nodes verified per round by a tree round, or None where the round is a chain."""
         if self.tree_paths == 1 or num_draft == 0:
             return None
-        nodes = self.tree_paths * num_draft if self.tree_nodes is None else self.tree_nodes
-        if nodes < num_draft:
+        # The lattice holds K candidates per slot: K^g distinct paths of g tokens, and at most
+        # min(M, K^d) distinct nodes at depth d among M paths; beyond that a tree only repeats
+        # paths or pads (every extra node is verified for nothing).
+        k = int(self.draft.config.candidate_k)
+        width = getattr(self.draft.config, "draft_vocab_size", None) or self.draft.config.vocab_size
+        k = min(k, int(width))
+        paths_held = k**num_draft
+        if self.tree_paths > paths_held:
             raise GenerationInputError(
-                f"tree_nodes={nodes} must be >= num_draft_tokens={num_draft} (the chain fits)"
+                f"tree_paths={self.tree_paths} (CLI: --tree-paths) exceeds the {paths_held} "
+                f"paths the draft's lattice holds ({k}^{num_draft}: candidate_k={k} per slot, "
+                f"num_draft_tokens={num_draft})")
+        nodes_held = sum(min(self.tree_paths, k**d) for d in range(1, num_draft + 1))
+        if self.tree_nodes is None:
+            return self.tree_paths * num_draft
+        if self.tree_nodes < num_draft:
+            raise GenerationInputError(
+                f"tree_nodes={self.tree_nodes} must be >= num_draft_tokens={num_draft} "
+                "(the chain fits)"
             )
-        return nodes
+        if self.tree_nodes > nodes_held:
+            raise GenerationInputError(
+                f"tree_nodes={self.tree_nodes} (CLI: --tree-nodes) exceeds the {nodes_held} "
+                f"distinct nodes {self.tree_paths} paths of {num_draft} tokens can have in the "
+                f"draft's lattice (candidate_k={k} per slot)")
+        return self.tree_nodes
 
     def kv_buckets(self) -> list[int]:
         """Every kv length a verify step can attend over: multiples of `kv_bucket_size` below
@@ -424,15 +453,32 @@ class Engine:
             )
         if stop and self.tokenizer is None:
             raise GenerationInputError("stop strings need a tokenizer")
-        # Room for the prompt, every new token, and the widest verify written past them.
-        width = self._tree_budget(num_draft) or num_draft
-        needed = max(len(p) for p in ids) + max_new_tokens + width + 1
-        if needed > self.max_seq_len:
+        if any(not s for s in stop):  # "" is in every text: each answer would stop at once
             raise GenerationInputError(
-                f"the longest prompt ({max(len(p) for p in ids)} tokens) + max_new_tokens "
-                f"({max_new_tokens}) + one verified block ({width + 1}) needs {needed} cache "
-                f"positions; the engine was built with max_seq_len={self.max_seq_len}"
-            )
+                "an empty stop string (CLI: --stop '') would end every answer after its first "
+                "token; give a non-empty string")
+        # Room for the prompt, every new token, and the widest verify written past them.
+        tree = self._tree_budget(num_draft)
+        width = tree or num_draft
+        longest = max(len(p) for p in ids)
+        needed = longest + max_new_tokens + width + 1
+        if needed <= self.max_seq_len:
+            return
+        positions = self.target.config.max_position_embeddings
+        room = self.max_seq_len - longest - max_new_tokens - 1  # left for the verified nodes
+        if tree is not None and room >= num_draft:  # the chain would fit: the tree does not
+            raise GenerationInputError(
+                f"a token tree of {tree} nodes (tree_paths={self.tree_paths}, tree_nodes="
+                f"{self.tree_nodes}; CLI: --tree-paths / --tree-nodes) does not fit the cache: "
+                f"at most {room} nodes fit beside the longest prompt ({longest} tokens) and "
+                f"max_new_tokens ({max_new_tokens}) in max_seq_len={self.max_seq_len}")
+        bound = (f"the target's max_position_embeddings={positions}"
+                 if self.max_seq_len >= positions else
+                 f"max_seq_len={self.max_seq_len} (CLI: --max-seq-len, at most the target's "
+                 f"max_position_embeddings={positions})")
+        raise GenerationInputError(
+            f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + one "
+            f"verified block ({width + 1}) needs {needed} cache positions, beyond {bound}")
 
     def _check_warmup(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -60,9 +61,11 @@ def _encode_text(
         raise GenerationInputError(f"prompt {index} is empty")
     if chat:
         if not getattr(tokenizer, "chat_template", None):
+            source = getattr(tokenizer, "name_or_path", None) or "the engine's"
             raise GenerationInputError(
-                "chat=True but the tokenizer has no chat template; pass chat=False "
-                "(CLI: --no-chat) for raw text"
+                f"chat=True but the tokenizer of {source} has no chat template (a base model?); "
+                "pass chat=False (CLI: --no-chat) for raw text, or a tokenizer that has one "
+                "(CLI: --tokenizer DIR)"
             )
         if not text.strip():
             raise GenerationInputError(f"prompt {index} is empty")
@@ -118,6 +121,22 @@ class SequenceState:
         tail = self.tokens[-(4 * max(len(s) for s in self._stop) + 8) :]
         text = self._tokenizer.decode(tail)
         return any(s in text for s in self._stop)
+
+
+def utf8_problem(path: Path, data: bytes) -> str | None:
+    """Why `data`, the bytes of text file `path`, is not UTF-8 text without a byte-order
+    mark (naming the file, line and offset of the first bad byte), or None."""
+    if data.startswith(codecs.BOM_UTF8):
+        return f"{path}: starts with a UTF-8 byte-order mark; save it without one"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        return (
+            f"{path}:{line}: not valid UTF-8 (byte 0x{data[err.start]:02x} at offset "
+            f"{err.start}); save the file as UTF-8"
+        )
+    return None
 
 
 def read_prompts(path: str | Path) -> list[str]:

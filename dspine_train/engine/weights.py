@@ -13,12 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from dspine_train.checkpoint_io import SafetensorsWeights, WeightsError
 from dspine_train.engine.errors import CheckpointError
 from dspine_train.engine.rope import rope_layer_types, rope_parameters
 from dspine_train.engine.target_model import TargetConfig, TargetModel
+from dspine_train.target_config import read_target_config
 
 # Buffers some older exports carry; the engine computes them itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -45,9 +45,12 @@ def load_target(
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory}: no config.json (expected an HF model directory)")
     try:
-        hf_config = AutoConfig.from_pretrained(str(directory))
+        hf_config = read_target_config(directory)
     except (ValueError, OSError, KeyError) as err:
-        raise CheckpointError(f"{directory / 'config.json'}: cannot be read ({err})") from err
+        where = str(directory / "config.json")
+        raise CheckpointError(
+            str(err) if str(err).startswith(where) else f"{where}: cannot be read ({err})"
+        ) from err
     config = TargetConfig.from_hf(hf_config)
     for kind in rope_layer_types(hf_config):  # reject unsupported RoPE before loading weights
         rope_parameters(hf_config, config.head_dim, kind)

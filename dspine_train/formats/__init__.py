@@ -172,8 +172,8 @@ def export_dir(source: str | Path, out: str | Path, fmt: str,
         draft = load_draft(source)
     except FormatError:
         raise
-    except (OSError, ValueError) as err:
-        raise FormatError(f"{source}: {err}") from err
+    except (OSError, ValueError) as err:  # its own message names the file, or it gets it
+        raise FormatError(str(err) if str(source) in str(err) else f"{source}: {err}") from err
     clean_dead_builds(out)
     tmp = build_dir(out)
     try:

@@ -30,6 +30,7 @@ argmax per slot. `tests/test_dflash_format.py` checks this against the package i
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,11 @@ import torch
 from transformers import Qwen3Config
 
 from ..checkpoint_io import SafetensorsWeights, WeightsError
-from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
+from ..modeling.configuration_dspine import (
+    METHOD_PRESETS,
+    DSpineConfig,
+    default_target_layer_ids,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 # Parameter names shared by DFlash and our backbone (identical on both sides); the rest of our
@@ -205,15 +210,26 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     if depth is None:
         raise FormatError(f"{source}: config.json has no num_target_layers (the target's depth)")
     hidden = qwen.hidden_size
+    layer_ids = value("target_layer_ids")
+    if layer_ids is None and isinstance(depth, int) and isinstance(qwen.num_hidden_layers, int):
+        # DFlash's own loader takes the formula's layers too (`build_target_layer_ids`), so
+        # such checkpoints exist and serve; refusing them would refuse what DFlash runs. A
+        # draft trained on other layers would run silently wrong, so the choice is said.
+        layers = default_target_layer_ids(depth, qwen.num_hidden_layers)
+        warnings.warn(f"{source}: config.json has no dflash_config.target_layer_ids; taking "
+                      f"the default layers {layers} (as DFlash's loader does); if the draft "
+                      "was trained on other layers, add them there", stacklevel=2)
+    block_size = value("block_size")
     try:
         return DSpineConfig(
             method="dflash",
             **backbone_fields(qwen),
             embed_scale=float(value("input_embedding_scale") or 1.0),
-            target_layer_ids=value("target_layer_ids"),  # None: the same formula as DFlash's
-            target_num_layers=int(depth),
-            block_size=int(value("block_size") or 16),
-            mask_token_id=int(mask),
+            target_layer_ids=layer_ids,  # None: the same formula as DFlash's
+            # Passed as written: `DSpineConfig` refuses a non-integer by name (8.5 is no size).
+            target_num_layers=depth,
+            block_size=16 if block_size is None else block_size,  # DFlash's default
+            mask_token_id=mask,
             # DSpine's parts are unused by a dflash draft; sized so they fit any target.
             transfer_dim=min(DSpineConfig.transfer_dim, hidden, qwen.vocab_size - 1),
             message_size=min(DSpineConfig.message_size, hidden),

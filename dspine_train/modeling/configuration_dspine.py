@@ -7,9 +7,16 @@ target's, and `DSpineConfig.from_target` derives them from any Hugging Face caus
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
+import sys
+import types
+import typing
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from huggingface_hub.dataclasses import type_validator
 from transformers import PreTrainedConfig
 
 from .mask_token import check_mask_token, pick_mask_token_id
@@ -72,6 +79,31 @@ def _rope_parameters_of(config: PreTrainedConfig) -> dict[str, Any]:
     scaling.setdefault("rope_type", scaling.pop("type", "default"))
     scaling["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
     return scaling
+
+
+# How a field type reads in an error message (a JSON user's words, not Python's).
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+               dict: "an object", list: "a list", type(None): "null"}
+
+
+def _describe_type(kind: Any) -> str:
+    """`kind` (a field annotation) in words: `int | None` -> "an integer or null"."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(arg) for arg in args)
+    if origin is list and args:
+        return f"a list of {_describe_type(args[0]).split(' ', 1)[1]}s"
+    return _TYPE_WORDS.get(origin or kind, str(kind))
+
+
+def _accepts_float(kind: Any) -> bool:
+    """Whether annotation `kind` admits a float (`float`, `float | None`)."""
+    return kind is float or float in typing.get_args(kind)
+
+
+def _is_choice(kind: Any) -> bool:
+    """Whether annotation `kind` is a `Literal` (or a `Literal | None`)."""
+    return Literal in (typing.get_origin(kind), *map(typing.get_origin, typing.get_args(kind)))
 
 
 class DSpineConfig(PreTrainedConfig):
@@ -220,6 +252,7 @@ class DSpineConfig(PreTrainedConfig):
     target_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        self.check_field_types()
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         if self.target_layer_ids is None:
@@ -267,6 +300,42 @@ class DSpineConfig(PreTrainedConfig):
         skip = set(cls.target_fields) | set(cls.fixed_fields)
         return {name: f for name, f in cls.own_fields().items() if name not in skip}
 
+    @classmethod
+    @functools.cache
+    def field_types(cls) -> dict[str, Any]:
+        """The type of each own field (`own_fields`), its annotation resolved: the table
+        `check_field_types` checks values against."""
+        holder = types.SimpleNamespace(
+            __annotations__={name: f.type for name, f in DSpineConfig.own_fields().items()})
+        return typing.get_type_hints(holder, globalns=vars(sys.modules[DSpineConfig.__module__]))
+
+    def check_field_types(self) -> None:
+        """`ValueError` naming the first field whose value is not of its declared type.
+
+        Every way a config is made (a `config.json` read by the engine, the export or
+        `model.init_from`, a recipe, a format importer) passes here once, so a wrongly typed
+        value (`block_size: "8"`, `num_layers: 2.0`, `transition_cache: "yes"`) is refused by
+        name where it is read, not met as a `TypeError` at decode time. A whole number where a
+        float is declared is the same number (JSON writes 1.0 as 1) and becomes a float; a
+        float where an integer is declared is refused even when whole (2.0), and booleans must
+        be JSON's true/false. A tuple given for a list field is taken as that list.
+        """
+        for name, kind in self.field_types().items():
+            value = getattr(self, name)
+            if _accepts_float(kind) and type(value) is int:
+                value = float(value)
+                setattr(self, name, value)
+            elif isinstance(value, tuple) and not _is_choice(kind):
+                value = list(value)
+                setattr(self, name, value)
+            if _is_choice(kind):
+                continue  # the value checks (`apply_method`, `_check_settings`) name the choices
+            try:
+                type_validator(name, value, kind)
+            except TypeError:
+                raise ValueError(f"{name} must be {_describe_type(kind)}, got "
+                                 f"{json.dumps(value, default=repr)}") from None
+
     # ------------------------------------------------------------------ strict loading
     @classmethod
     def export_fields(cls) -> list[str]:
@@ -299,7 +368,12 @@ class DSpineConfig(PreTrainedConfig):
         # An older export lacks the fields added since: it gets the values it was made with.
         older = {name: value for name, value in cls.added_fields.items()
                  if name not in config_dict and name not in kwargs}
-        return super().from_pretrained(pretrained_model_name_or_path, **older, **kwargs)
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, **older, **kwargs)
+        except ValueError as err:  # a wrongly typed or inconsistent field: name the file
+            source = Path(pretrained_model_name_or_path)
+            path = source / "config.json" if source.is_dir() else source
+            raise ValueError(f"{path}: {err}") from err
 
     # ------------------------------------------------------------------ validation
     def check_consistency(self) -> None:

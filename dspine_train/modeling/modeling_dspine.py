@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
+from ..checkpoint_io import SafetensorsWeights
 from .attention_masks import (
     default_use_flex,
     dense_training_mask,
@@ -149,6 +150,11 @@ class DSpineDraftModel(DSpinePreTrainedModel):
                                  "only safetensors drafts are loaded (convert it first)")
         if kwargs.pop("use_safetensors", True) is not True:
             raise ValueError("DSpineDraftModel.from_pretrained: safetensors only (use_safetensors)")
+        if source.is_dir() and any(source.glob("*.safetensors")):
+            # A truncated or corrupted file is a `WeightsError` naming it, as the engine and the
+            # format readers report it, not safetensors' own error from deep inside transformers.
+            with SafetensorsWeights(source) as weights:
+                weights.check()
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args,
                                               use_safetensors=True, output_loading_info=True,

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from ..checkpoint_io import SafetensorsWeights, WeightsError
+from ..target_config import read_target_config
 from ..vocab_loss import target_topk
 from .errors import TrainingError
 
@@ -75,11 +76,8 @@ class TargetFeatures:
 
 def load_target_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """The target's HF config (a directory, a config.json, or a Hub id); no weights are read."""
-    source = Path(path)
-    if source.is_file():
-        source = source.parent
     try:
-        config = AutoConfig.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+        config = read_target_config(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise TrainingError(f"model.target_path: cannot read a model config at {path!r}: {err}") from err
     return getattr(config, "text_config", None) or config
