@@ -480,12 +480,16 @@ class Engine:
             if states[b].done:
                 continue
             num_acc, keep, eos = row[width], row[width + 1], bool(row[width + 2])
+            before = len(states[b].tokens)
+            states[b].extend(row[:keep], ends_with_eos=eos)
+            # What the sequence kept (EOS, a stop string or the token budget may cut the round
+            # short): its last kept token stands as the round's bonus (see `GenerationStats`).
+            kept = len(states[b].tokens) - before
             stats.verifications += 1
-            stats.committed += num_acc + 1
-            for i in range(num_acc):
+            stats.committed += kept
+            for i in range(kept - 1):
                 stats.accepted_at[i] += 1
             stats.round_accepted[b].append(num_acc)
-            states[b].extend(row[:keep], ends_with_eos=eos)
             committed[b] += num_acc + 1
             if states[b].done:
                 finished.append(b)
