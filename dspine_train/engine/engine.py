@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +70,13 @@ class Engine:
 
     Verify and draft steps attend over the live cache length rounded up to a multiple of
     `kv_bucket_size` (capped at the capacity), so their shapes take a few values only. On CUDA
-    each step (verify, greedy draft, commit) is compiled (`compile`, default on for CUDA) and
-    captured as a CUDA graph per (shape, kv bucket) (`cuda_graphs`), in one shared graph memory
-    pool; `warmup` captures them ahead of timing. A failed compile/capture raises with
-    `strict_graphs=True` and otherwise warns and runs that step eager. `compile_backend` is
-    `torch.compile`'s backend ("eager" traces the steps without generating kernels).
+    each step (verify, greedy and sampling draft, commit, the tree's draft and verify) is
+    compiled (`compile`, default on for CUDA) and captured as a CUDA graph per (shape, kv
+    bucket) (`cuda_graphs`), in one shared graph memory pool; `warmup` captures them ahead of
+    timing. Steps that sample take their random draws as inputs, drawn just before from the
+    call's generator. A failed compile/capture raises with `strict_graphs=True` and otherwise
+    warns and runs that step eager. `compile_backend` is `torch.compile`'s backend ("eager"
+    traces the steps without generating kernels).
 
     `tree_paths` M > 1 verifies a token tree per round instead of the chain (see
     `engine.tree_verify`; lossless when greedy and when sampling): the top-M paths through the
@@ -362,7 +364,6 @@ class Engine:
         if tree_nodes is not None:
             stats.tree_paths, stats.tree_nodes = self.tree_paths, tree_nodes
         sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
-        sampler.scale = torch.full((), temperature, dtype=torch.float32, device=self.device)
         timer = StepTimer(self.device)
         states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
         capture_before = self._capture_seconds()
@@ -741,9 +742,12 @@ def _raise_recompile_limit(limit: int = 64) -> None:
 @dataclass
 class _Sampler:
     """Decoding settings of one call; `scale` is the temperature as a 0-dim float32 tensor on
-    the device (an input of the sampling steps, made once per call)."""
+    the generator's device (an input of the sampling steps, made once per call)."""
 
     temperature: float
     top_p: float
     generator: torch.Generator
-    scale: torch.Tensor | None = None
+    scale: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scale = torch.full((), self.temperature, device=self.generator.device)

@@ -19,6 +19,10 @@ greedy tree round never accepts fewer tokens than the chain round would. When sa
 (temperature > 0), `sampled_tree_accept` draws the target's token at each node and descends
 while a child holds it: multi-candidate rejection with the tree's deterministic (point-mass)
 candidates, lossless like the chain's rejection sampling.
+
+The forward, the acceptance and the compaction are one step (`TreeVerifier.verify_step`), so
+all of it is compiled and CUDA-graph-captured together; when sampling, its random draws are
+inputs drawn just before from the call's generator.
 """
 
 from __future__ import annotations
