@@ -234,8 +234,10 @@ def _chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(observed[keep], expected[keep]).pvalue)
 
 
-def test_sampling_matches_the_target_distribution(tmp_path):
-    """First three sampled tokens over many seeded rows vs the target's exact marginals."""
+@pytest.mark.parametrize("transition_cache", [True, False])
+def test_sampling_matches_the_target_distribution(tmp_path, transition_cache):
+    """First three sampled tokens over many seeded rows vs the target's exact marginals (the
+    draft samples by its transition-cache walk, or per slot from each slot's top-K)."""
     vocab, prompt, rows = 32, [3, 17, 8, 25], 600
     hf = build_tiny_target(
         tmp_path / "target",
@@ -245,7 +247,8 @@ def test_sampling_matches_the_target_distribution(tmp_path):
         num_hidden_layers=6,
         eos_token_id=None,
     )
-    tiny_draft(hf, 30, transfer_dim=8, message_size=8).save_pretrained(tmp_path / "draft")
+    tiny_draft(hf, 30, transfer_dim=8, message_size=8,
+               transition_cache=transition_cache).save_pretrained(tmp_path / "draft")
     exact = _exact_marginals(hf, prompt, vocab, steps=3)
     engine = Engine.from_pretrained(
         tmp_path / "target",
