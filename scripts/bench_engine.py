@@ -67,7 +67,7 @@ def draft_step_costs(engine, prompts: list[str], chat: bool, repeats: int) -> di
     def serial_walk():
         cand = top_candidates(logits, draft.config.candidate_k)
         return naive_serial_walk(
-            draft.refined_scores, pre[:, 1:], recv, anchors, cand, draft.config.vocab_size
+            draft.refined_scores, pre[:, 1:], recv, anchors, cand
         )
 
     costs = {

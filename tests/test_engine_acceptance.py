@@ -101,3 +101,44 @@ def test_target_probs_temperature_and_top_p():
     )
     hot = target_probs(logits, 2.0)
     assert hot[0, 3] > 0.05 and torch.isclose(hot.sum(), torch.tensor(1.0))
+
+
+def test_sparse_rejection_output_is_distributed_as_target():
+    """q over K < V candidates per slot (ids + probabilities, as the draft proposes): the first
+    two committed tokens follow p, including the residual max(0, p - q) at a rejection, which
+    only holds the K subtracted entries; the candidates differ by row and slot."""
+    rows, gen = 20000, torch.Generator().manual_seed(1)
+    p_row = torch.tensor([0.05, 0.4, 0.1, 0.2, 0.25, 0.0])
+    # Two candidate sets (K = 3), alternating by row; q concentrates where p is small.
+    sets = torch.tensor([[0, 2, 4], [5, 1, 3]])
+    laws = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.3, 0.5]])
+    pick = torch.arange(rows * 2).view(rows, 2) % 2  # (B, g): which set each slot uses
+    candidates, q = sets[pick], laws[pick]  # (B, g, K)
+    index = torch.multinomial(q.view(-1, 3), 1, generator=gen).view(rows, 2)
+    drafts = candidates.gather(2, index[..., None]).squeeze(2)
+    p = p_row.expand(rows, 3, V)
+    acc = rejection_accept(drafts, q, p, gen, candidates=candidates)
+    first = torch.bincount(acc.tokens[:, 0], minlength=V).double()
+    second = torch.bincount(acc.tokens[acc.num_accepted >= 1, 1], minlength=V).double()
+    for counts in (first, second):
+        keep = p_row > 0
+        assert counts[~keep].sum() == 0
+        assert chisquare(counts[keep], p_row[keep].double() * counts.sum()).pvalue > 1e-3
+    # Both paths happened: drafts accepted and rejected.
+    assert 0 < int((acc.num_accepted == 0).sum()) < rows
+
+
+def test_sparse_q_equals_the_same_q_dense():
+    """The same draws with q given sparse or scattered dense into the vocabulary: same result."""
+    rows = 64
+    gen = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(rows, 4, V, generator=gen), -1)
+    candidates = torch.stack([torch.randperm(V, generator=gen)[:4] for _ in range(rows * 3)])
+    candidates = candidates.view(rows, 3, 4)
+    q = torch.softmax(torch.randn(rows, 3, 4, generator=gen), -1)
+    drafts = candidates[..., 0]
+    dense = torch.zeros(rows, 3, V).scatter_(-1, candidates, q)
+    sparse = rejection_accept(drafts, q, p, torch.Generator().manual_seed(3), candidates=candidates)
+    full = rejection_accept(drafts, dense, p, torch.Generator().manual_seed(3))
+    assert torch.equal(sparse.tokens, full.tokens)
+    assert torch.equal(sparse.num_accepted, full.num_accepted)

@@ -65,6 +65,24 @@ def test_warmup_captures_every_shape_before_generation(files):
     assert out.stats.capture_s == 0.0
 
 
+@pytest.mark.parametrize("tree_paths", [1, 4])
+def test_sampling_rounds_replay_captured_steps_only(files, tree_paths):
+    """At T > 0 the sampling draft (chain) or the tree's sampling verify step (acceptance and
+    compaction inside) is captured by `warmup(temperature=...)`; generation captures nothing
+    more, and reproduces itself for a seed."""
+    root, _ = files
+    engine = _engine(root, strict_graphs=True, tree_paths=tree_paths)
+    engine.warmup(batch_sizes=[4], num_draft_tokens=[7], temperature=0.8, top_p=0.9)
+    if tree_paths == 1:
+        assert engine._draft_sample_step.num_captured > 0
+    captured = engine._capture_seconds()
+    settings = dict(max_new_tokens=16, chat=False, temperature=0.8, top_p=0.9, seed=1)
+    first = engine.generate(PROMPTS, **settings)
+    assert engine._capture_seconds() == captured, "generation captured a shape warmup missed"
+    assert first.stats.capture_s == 0.0
+    assert engine.generate(PROMPTS, **settings).token_ids == first.token_ids
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_attention_call_runs_on_a_fused_kernel(files, dtype):
     root, _ = files

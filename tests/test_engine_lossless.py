@@ -104,8 +104,33 @@ def test_every_acceptance_pattern_commits_the_right_tokens(world, corrupt):
     result = engine.generate(prompts, max_new_tokens=NEW)
     assert result.token_ids == world["reference"][:4]
     if corrupt == 0.0:
-        assert result.stats.tau == 8.0  # every block fully accepted plus the bonus
-        assert result.stats.per_position_acceptance == [1.0] * 7
+        # Every block fully accepted plus the bonus: 1 (prefill) + 8 + 8 + 8 = 25 committed, of
+        # which the budget keeps 24: the last round counts 7 (its 7th draft stands as the bonus).
+        assert result.stats.tau == pytest.approx(23 / 3)
+        assert result.stats.per_position_acceptance == pytest.approx([1.0] * 6 + [2 / 3])
+
+
+@pytest.mark.parametrize("max_new_tokens", [2, 5, 9, 10])
+def test_tau_counts_the_tokens_kept_not_those_the_budget_cut(world, max_new_tokens):
+    """A draft that is always right: a round commits 8 tokens, but a sequence keeps only what
+    its budget allows, and tau / per-position acceptance count what was kept."""
+    prompts = world["prompts"][:2]
+    full = [p + r for p, r in zip(prompts, world["reference"][:2])]
+    config = StandInConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256, hidden_size=64)
+    engine = Engine(load_target(world["root"] / "target"), OracleDraft(config, full, 0.0), None,
+                    max_batch_size=2, max_seq_len=96)
+    result = engine.generate(prompts, max_new_tokens=max_new_tokens)
+    assert result.token_ids == [r[:max_new_tokens] for r in world["reference"][:2]]
+    stats = result.stats
+    kept = max_new_tokens - 1  # the prefill's token is not a verification's
+    assert stats.committed == 2 * kept
+    assert stats.tau == pytest.approx(2 * kept / stats.verifications) and stats.tau <= 8.0
+    assert stats.tau == pytest.approx(1 + sum(stats.per_position_acceptance))
+    if max_new_tokens <= 9:  # one round per sequence
+        assert stats.verifications == 2 and stats.tau == kept
+        assert stats.per_position_acceptance == [1.0] * (kept - 1) + [0.0] * (8 - kept)
+    # What the draft achieved is still recorded as accepted by the target.
+    assert all(rounds[0] == 7 for rounds in stats.round_accepted)
 
 
 class ScriptedDraft(OracleDraft):
@@ -209,8 +234,10 @@ def _chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(observed[keep], expected[keep]).pvalue)
 
 
-def test_sampling_matches_the_target_distribution(tmp_path):
-    """First three sampled tokens over many seeded rows vs the target's exact marginals."""
+@pytest.mark.parametrize("transition_cache", [True, False])
+def test_sampling_matches_the_target_distribution(tmp_path, transition_cache):
+    """First three sampled tokens over many seeded rows vs the target's exact marginals (the
+    draft samples by its transition-cache walk, or per slot from each slot's top-K)."""
     vocab, prompt, rows = 32, [3, 17, 8, 25], 600
     hf = build_tiny_target(
         tmp_path / "target",
@@ -220,7 +247,8 @@ def test_sampling_matches_the_target_distribution(tmp_path):
         num_hidden_layers=6,
         eos_token_id=None,
     )
-    tiny_draft(hf, 30, transfer_dim=8, message_size=8).save_pretrained(tmp_path / "draft")
+    tiny_draft(hf, 30, transfer_dim=8, message_size=8,
+               transition_cache=transition_cache).save_pretrained(tmp_path / "draft")
     exact = _exact_marginals(hf, prompt, vocab, steps=3)
     engine = Engine.from_pretrained(
         tmp_path / "target",

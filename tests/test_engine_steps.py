@@ -125,3 +125,88 @@ def test_compiled_steps_trace_as_one_graph_and_stay_lossless(world):
     assert spec.token_ids == reference[:2]
     assert spec.stats.capture_s > 0
     assert engine.generate_ar(PROMPTS[:2], max_new_tokens=NEW, chat=False).token_ids == reference[:2]
+
+
+def test_the_sampling_draft_is_a_compiled_step_with_a_sparse_q(world, monkeypatch):
+    """At T > 0 the draft runs as its own compiled step (fullgraph, strict: a pure function of
+    tensors, its randomness drawn ahead), draws what the eager step draws, and hands the
+    acceptance a q over the K candidates of each slot, not a dense (B, g, V) one."""
+    import dspine_train.engine.engine as engine_module
+
+    shapes = []
+    accept = engine_module.rejection_accept
+
+    def spy(draft_tokens, draft_probs, *args, **kwargs):
+        shapes.append((tuple(draft_probs.shape), tuple(kwargs["candidates"].shape)))
+        return accept(draft_tokens, draft_probs, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "rejection_accept", spy)
+    settings = dict(max_new_tokens=NEW, chat=False, temperature=0.8, top_p=0.9, seed=3,
+                    num_draft_tokens=3)
+    eager = _engine(world, max_batch_size=2).generate(PROMPTS[:2], **settings)
+    engine = _engine(world, compile=True, compile_backend="eager", strict_graphs=True,
+                     max_batch_size=2)
+    compiled = engine.generate(PROMPTS[:2], **settings)
+    assert compiled.token_ids == eager.token_ids
+    assert compiled.stats.steps > 1
+    step = engine._draft_sample_step
+    assert step.compiled and step._compiled_keys  # it ran compiled (strict: no fallback)
+    k = engine.draft.config.candidate_k
+    assert set(shapes) == {((2, 3, k), (2, 3, k))} and k < engine.target.config.vocab_size
+
+
+@pytest.mark.slow
+def test_tree_acceptance_and_compaction_run_in_the_compiled_tree_step(world, monkeypatch):
+    """Tree rounds accept and compact inside the compiled verify step (greedy and sampling),
+    with the eager path's tokens; nothing of them runs eager."""
+    import dspine_train.engine.tree_verify as tree_module
+
+    settings = dict(max_new_tokens=NEW, chat=False, seed=4, num_draft_tokens=3)
+    eager_engine = _engine(world, max_batch_size=2, tree_paths=3)
+    eager = [eager_engine.generate(PROMPTS[:2], temperature=t, **settings) for t in (0.0, 0.8)]
+    traced = []
+    for name in ("greedy_tree_accept", "sampled_tree_accept", "compact_path"):
+        original = getattr(tree_module, name)
+
+        def only_compiled(*args, _fn=original, _name=name, **kwargs):
+            if not torch.compiler.is_compiling():
+                raise AssertionError(f"{_name} ran eager")
+            traced.append(_name)
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(tree_module, name, only_compiled)
+    engine = _engine(world, compile=True, compile_backend="eager", strict_graphs=True,
+                     max_batch_size=2, tree_paths=3)
+    for temperature, expected in zip((0.0, 0.8), eager, strict=True):
+        compiled = engine.generate(PROMPTS[:2], temperature=temperature, **settings)
+        assert compiled.token_ids == expected.token_ids
+        assert compiled.stats.tree_paths == 3
+    _, reference = world
+    assert eager[0].token_ids == reference[:2]
+    assert {"greedy_tree_accept", "sampled_tree_accept", "compact_path"} <= set(traced)
+
+
+def test_warmup_runs_the_sampling_steps_when_asked(world):
+    engine = _engine(world, tree_paths=2)
+    calls = []
+    for step in engine._steps():
+        def counted(*args, _fn=step.fn, _name=step.name, **kwargs):
+            calls.append((_name, len(args)))
+            return _fn(*args, **kwargs)
+
+        step.fn = counted
+    engine.warmup(batch_sizes=[2], num_draft_tokens=[3], kv_buckets=[64])
+    assert ("sampling draft", 3) not in calls
+    calls.clear()
+    engine.warmup(batch_sizes=[2], num_draft_tokens=[3], kv_buckets=[64], temperature=0.7,
+                  top_p=0.9)
+    # At every draft kv length the greedy draft is warmed up at, once (nothing to capture).
+    assert calls.count(("sampling draft", 3)) == calls.count(("draft", 1)) > 0
+    # The tree's verify step: greedy (the tree's 5 fields) and sampling (+ temperature, noise).
+    assert ("tree verify", 5) in calls and ("tree verify", 7) in calls
+    with pytest.raises(GenerationInputError, match="temperature"):
+        engine.warmup(temperature=-1.0)
+    settings = dict(max_new_tokens=NEW, chat=False, temperature=0.7, top_p=0.9, seed=1)
+    assert engine.generate(PROMPTS, **settings).token_ids == (
+        _engine(world, tree_paths=2).generate(PROMPTS, **settings).token_ids
+    )

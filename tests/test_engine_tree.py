@@ -44,7 +44,7 @@ def test_top_paths_are_the_chain_then_the_best_others(num_paths):
     assert paths.shape == (batch, num_paths, depth)
     # Path 0 is the chain the transition-cache walk decodes.
     cand = torch.arange(k).expand(batch, depth, k)
-    walked = walk_table(table[:, :depth], cand, vocab_size=k).tokens
+    walked = walk_table(table[:, :depth], cand).tokens
     assert torch.equal(paths[:, 0], walked)
     assert torch.equal(paths[:, 0], greedy_indices(table[:, :depth]))
     logp = torch.log_softmax(table[:, :depth], dim=-1)

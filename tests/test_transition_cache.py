@@ -41,9 +41,9 @@ def test_walk_equals_naive_serial_decode_greedy(target, block_size, k):
         cand = top_candidates(logits, k)
         naive = naive_serial_walk(
             draft.refined_scores, out.pre_injection[..., 1:, :], out.recv_features,
-            out.anchor_ids, cand, draft.config.vocab_size,
+            out.anchor_ids, cand,
         )
-    assert walked.q is None
+    assert walked.q is None and walked.candidates is None
     assert torch.equal(walked.tokens, naive.tokens)
     # the walk really conditions: with trained writes it is not the per-slot argmax everywhere
     if k > 1 and block_size > 4:
@@ -62,17 +62,15 @@ def test_walk_equals_naive_serial_decode_sampled(target, block_size, k, temperat
         cand = top_candidates(logits, k)
         naive = naive_serial_walk(
             draft.refined_scores, out.pre_injection[..., 1:, :], out.recv_features,
-            out.anchor_ids, cand, draft.config.vocab_size, temperature,
-            torch.Generator().manual_seed(123),
+            out.anchor_ids, cand, temperature, torch.Generator().manual_seed(123),
         )
     assert torch.equal(walked.tokens, naive.tokens)
     torch.testing.assert_close(walked.q, naive.q, rtol=1e-10, atol=1e-12)
-    # q is a distribution over the slot's candidates that gives the sampled token mass
+    # q stays sparse: a distribution over each slot's K candidates, which hold the sampled token
+    assert walked.q.shape == cand.shape and torch.equal(walked.candidates, cand)
     torch.testing.assert_close(walked.q.sum(-1), torch.ones_like(walked.q.sum(-1)), rtol=0, atol=1e-6)
-    picked = walked.q.gather(-1, walked.tokens[..., None])
-    assert (picked > 0).all()
-    outside = torch.ones_like(walked.q, dtype=torch.bool).scatter_(-1, cand, False)
-    assert (walked.q[outside] == 0).all()
+    drawn = cand == walked.tokens[..., None]
+    assert (drawn.sum(-1) == 1).all() and (walked.q[drawn] > 0).all()
 
 
 def test_transition_cache_off_decodes_each_slot_by_argmax(target):
@@ -94,3 +92,37 @@ def test_without_injection_the_walk_is_the_per_slot_argmax(target):
         logits = draft.logits(out.hidden[..., 1:, :])
         walked = draft.walk(out.pre_injection, out.recv_features, logits, out.anchor_ids)
     assert torch.equal(walked.tokens, logits.argmax(-1))
+
+
+def test_each_sampled_slot_follows_its_q_given_the_sampled_predecessor(target):
+    """The walk's q for slot t is the law the token was drawn from, given the token drawn at
+    slot t - 1: over many noise draws, slot t's tokens grouped by their predecessor follow that
+    group's (common) q row."""
+    from scipy.stats import chisquare
+
+    draft, out, logits = _block_outputs(target, 6, 4, seed=7)
+    rows = 20000
+    pre, recv = out.pre_injection[:1, :1], out.recv_features[:1, :1]  # one block
+    pre, recv = pre.expand(rows, -1, -1, -1), recv.expand(rows, -1, -1, -1)
+    anchors, block_logits = out.anchor_ids[:1, :1].expand(rows, -1), logits[:1, :1]
+    with torch.no_grad():
+        walked = draft.walk(pre, recv, block_logits.expand(rows, -1, -1, -1), anchors, 1.0,
+                            torch.Generator().manual_seed(0))
+    tokens, q, cand = walked.tokens[:, 0], walked.q[:, 0], walked.candidates[:, 0]
+    tested = 0
+    for t in range(tokens.shape[-1]):
+        previous = tokens[:, t - 1] if t else torch.zeros_like(tokens[:, 0])
+        for value in previous.unique():
+            group = previous == value
+            if group.sum() < 500:
+                continue
+            law, ids = q[group, t], cand[group, t]
+            assert torch.allclose(law, law[:1].expand_as(law))
+            assert torch.equal(ids, ids[:1].expand_as(ids))
+            counts = (ids[:1] == tokens[group, t][:, None]).sum(0).double()
+            expected = law[0].double() / law[0].double().sum() * group.sum()
+            keep = expected > 0
+            assert counts[~keep].sum() == 0
+            assert chisquare(counts[keep], expected[keep]).pvalue > 1e-3, (t, int(value))
+            tested += 1
+    assert tested > 2 * tokens.shape[-1]  # slots were drawn after several predecessors each

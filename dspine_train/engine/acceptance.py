@@ -58,13 +58,26 @@ def rejection_accept(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    *,
+    candidates: torch.Tensor | None = None,
 ) -> Acceptance:
-    """Rejection sampling: `draft_tokens (B, g)`, `draft_probs q (B, g, V)` (the distribution
-    each draft token was drawn from), `target_probs p (B, g + 1, V)` (after temperature/top-p).
+    """Rejection sampling: `draft_tokens (B, g)`; `draft_probs q (B, g, K)` the distribution
+    each draft token was drawn from, over `candidates (B, g, K)` (distinct token ids per slot;
+    None: q is dense over the vocabulary, K = V); `target_probs p (B, g + 1, V)` (after
+    temperature / top-p).
+
+    q stays sparse: p(d)/q(d) reads one q value per slot, and the residual max(0, p - q) at the
+    first rejection is p's row there with its K q-values subtracted in place (one (B, V) row
+    per sequence).
     """
     batch, steps = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    if candidates is None:
+        candidates = torch.arange(vocab, device=draft_probs.device).expand(draft_probs.shape)
     p_draft = target_probs[:, :steps].gather(2, draft_tokens[..., None]).squeeze(2)  # (B, g)
-    q_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)  # (B, g)
+    # q(d): the draft token's entry among its slot's candidates (0 where it is none of them).
+    drawn = candidates == draft_tokens[..., None]  # (B, g, K)
+    q_draft = torch.where(drawn, draft_probs, 0.0).sum(-1)  # (B, g)
     uniform = torch.rand(
         (batch, steps), generator=generator, device=draft_tokens.device, dtype=p_draft.dtype
     )
@@ -73,13 +86,16 @@ def rejection_accept(
     prefix, num_accepted = _prefix_acceptance(accept)
 
     # The distribution the bonus is drawn from: the residual at the first rejected position,
-    # or p_g when every draft token was accepted. q is padded with zeros at slot g so that
+    # or p_g when every draft token was accepted. q is padded with a zero row at slot g so that
     # max(0, p_g - 0) = p_g covers the all-accepted case in the same expression.
-    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], 1)
-    index = num_accepted[:, None, None].expand(-1, 1, target_probs.shape[-1])
-    p_at = target_probs.gather(1, index).squeeze(1)  # (B, V)
-    q_at = q_padded.gather(1, index).squeeze(1)  # (B, V)
-    residual = (p_at - q_at).clamp_min(0.0)
+    width = draft_probs.shape[-1]
+    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, width)], 1)
+    cand_padded = torch.cat([candidates, candidates.new_zeros(batch, 1, width)], 1)
+    at = num_accepted[:, None, None]
+    p_at = target_probs.gather(1, at.expand(-1, 1, vocab)).squeeze(1)  # (B, V)
+    q_at = q_padded.gather(1, at.expand(-1, 1, width)).squeeze(1)  # (B, K)
+    cand_at = cand_padded.gather(1, at.expand(-1, 1, width)).squeeze(1)  # (B, K)
+    residual = p_at.scatter_add(1, cand_at, -q_at.to(p_at.dtype)).clamp_min(0.0)  # p - q
     mass = residual.sum(-1, keepdim=True)
     # A zero residual only arises where p == q, where rejection has probability 0; fall back to
     # p so the expression stays finite without a data-dependent branch.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from dspine_train.engine.acceptance import (
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.errors import CheckpointError, GenerationInputError
 from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
-from dspine_train.engine.sampling import next_tokens, target_probs
+from dspine_train.engine.sampling import exponential_noise, next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
 from dspine_train.engine.target_files import eos_token_ids, load_tokenizer
 from dspine_train.engine.target_model import TargetModel
@@ -70,11 +70,13 @@ class Engine:
 
     Verify and draft steps attend over the live cache length rounded up to a multiple of
     `kv_bucket_size` (capped at the capacity), so their shapes take a few values only. On CUDA
-    each step (verify, greedy draft, commit) is compiled (`compile`, default on for CUDA) and
-    captured as a CUDA graph per (shape, kv bucket) (`cuda_graphs`), in one shared graph memory
-    pool; `warmup` captures them ahead of timing. A failed compile/capture raises with
-    `strict_graphs=True` and otherwise warns and runs that step eager. `compile_backend` is
-    `torch.compile`'s backend ("eager" traces the steps without generating kernels).
+    each step (verify, greedy and sampling draft, commit, the tree's draft and verify) is
+    compiled (`compile`, default on for CUDA) and captured as a CUDA graph per (shape, kv
+    bucket) (`cuda_graphs`), in one shared graph memory pool; `warmup` captures them ahead of
+    timing. Steps that sample take their random draws as inputs, drawn just before from the
+    call's generator. A failed compile/capture raises with `strict_graphs=True` and otherwise
+    warns and runs that step eager. `compile_backend` is `torch.compile`'s backend ("eager"
+    traces the steps without generating kernels).
 
     `tree_paths` M > 1 verifies a token tree per round instead of the chain (see
     `engine.tree_verify`; lossless when greedy and when sampling): the top-M paths through the
@@ -154,6 +156,7 @@ class Engine:
         )
         self._target_step = StepCache(self._target_forward, "verify", **steps)
         self._draft_step = StepCache(self._draft_greedy, "draft", **steps)
+        self._draft_sample_step = StepCache(self._draft_sample, "sampling draft", **steps)
         self._commit_step = StepCache(self._commit, "commit", state=self._commit_state, **steps)
         self._tree = TreeVerifier(target, draft, lambda: self.draft_cache, steps)
         self.configure_tree(tree_paths, tree_nodes)
@@ -301,6 +304,8 @@ class Engine:
         batch_sizes: Sequence[int] = (1,),
         num_draft_tokens: Sequence[int] | int | None = None,
         kv_buckets: Sequence[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> dict[str, float | int]:
         """Compile and capture every step at these shapes before anything is timed.
 
@@ -308,11 +313,17 @@ class Engine:
         decoding; default: 0 and block_size - 1 with a draft, 0 without); `kv_buckets` values
         of `kv_buckets()` (default: all of them). On CPU, where nothing is captured, it checks
         the arguments and runs each step once eagerly at the smallest bucket. Returns the number
-        of captured graphs and the seconds it took. Greedy steps only: sampling drafts eagerly.
-        With `tree_paths` > 1 the tree draft and verify steps of the current budget are captured
-        too (they serve greedy and sampling rounds alike).
+        of captured graphs and the seconds it took. The greedy steps always; with `temperature`
+        > 0 the sampling draft and (trees) the sampling verify step at `top_p` too (one capture
+        serves every temperature; the tree's serves one `top_p`). With `tree_paths` > 1 the
+        tree draft and verify steps of the current budget are captured too.
         """
         sizes, gs, buckets = self._check_warmup(batch_sizes, num_draft_tokens, kv_buckets)
+        if temperature < 0 or not 0.0 < top_p <= 1.0:
+            raise GenerationInputError(
+                f"warmup temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}"
+            )
+        sampling = temperature > 0.0
         if not self._target_step.enabled:
             buckets = buckets[:1]  # nothing to capture: one eager pass per shape validates it
         before = self._capture_seconds()
@@ -337,16 +348,25 @@ class Engine:
                         self._commit_step(*commit_inputs)
                 if self.draft is not None and any(g > 0 for g in gs):
                     anchors = torch.zeros(batch, dtype=torch.long, device=self.device)
+                    draft_steps = [(self._draft_step, (anchors,))]
+                    if sampling:  # any Exp(1) values and temperature do for a capture
+                        shape = (batch, self.block_size - 1, self.draft.num_candidates)
+                        noise = torch.ones(shape, device=self.device)
+                        scale = torch.ones((), device=self.device)
+                        draft_steps.append((self._draft_sample_step, (anchors, noise, scale)))
                     for kv in self._draft_buckets(buckets):
-                        self._draft_step.prepare(anchors, kv_len=kv)
-                        if not self._draft_step.enabled:
-                            self._draft_step(anchors, kv_len=kv)
+                        for step, inputs in draft_steps:
+                            step.prepare(*inputs, kv_len=kv)
+                            if not step.enabled:
+                                step(*inputs, kv_len=kv)
                 if self.draft is not None and self.tree_paths > 1:
                     for g in (g for g in gs if g > 0):
                         nodes = self._tree_budget(g)
                         fits = [b for b in buckets if b >= nodes + 1] or [self.max_seq_len]
                         budget = dict(paths=self.tree_paths, nodes=nodes, depth=g)
-                        self._tree.warmup(batch, budget, self._draft_buckets(buckets), fits)
+                        self._tree.warmup(
+                            batch, budget, self._draft_buckets(buckets), fits, temperature, top_p
+                        )
             self.target.cache.reset(self.max_batch_size)
         captured = sum(s.num_captured for s in self._steps())
         return {"graphs": captured, "capture_s": self._capture_seconds() - before}
@@ -530,12 +550,16 @@ class Engine:
             if states[b].done:
                 continue
             num_acc, keep, eos = row[width], row[width + 1], bool(row[width + 2])
+            before = len(states[b].tokens)
+            states[b].extend(row[:keep], ends_with_eos=eos)
+            # What the sequence kept (EOS, a stop string or the token budget may cut the round
+            # short): its last kept token stands as the round's bonus (see `GenerationStats`).
+            kept = len(states[b].tokens) - before
             stats.verifications += 1
-            stats.committed += num_acc + 1
-            for i in range(num_acc):
+            stats.committed += kept
+            for i in range(kept - 1):
                 stats.accepted_at[i] += 1
             stats.round_accepted[b].append(num_acc)
-            states[b].extend(row[:keep], ends_with_eos=eos)
             committed[b] += num_acc + 1
             if states[b].done:
                 finished.append(b)
@@ -592,13 +616,15 @@ class Engine:
         length 0); it picks the kv buckets of both steps.
         """
         draft_tokens = anchors[:, None][:, :0]  # (B, 0)
-        draft_q = None
+        draft_q = candidates = None
         if num_draft > 0:
             draft_kv = self._bucket(longest + self.block_size, self._draft_capacity())
-            if sampler.temperature <= 0.0:
-                self._draft_step.prepare(anchors, kv_len=draft_kv)  # capture outside the timing
+            step, inputs = self._draft_inputs(anchors, sampler)
+            step.prepare(*inputs, kv_len=draft_kv)  # capture outside the timing
             with timer.section("draft"):
-                draft_tokens, draft_q = self._propose(anchors, sampler, num_draft, draft_kv)
+                draft_tokens, draft_q, candidates = self._propose(
+                    step, inputs, num_draft, draft_kv
+                )
         block = torch.cat([anchors[:, None], draft_tokens], dim=1)  # (B, g + 1)
         kv_len = self._bucket(longest + block.shape[1], self.max_seq_len)
         self._target_step.prepare(block, kv_len=kv_len)
@@ -609,8 +635,12 @@ class Engine:
         probs = target_probs(logits, sampler.temperature, sampler.top_p)
         if draft_q is None:
             # Plain sampling is rejection sampling with nothing drafted: the bonus is a draw from p.
-            draft_q = probs[:, :0]
-        return rejection_accept(draft_tokens, draft_q, probs, sampler.generator), features
+            draft_q = probs[:, :0, :1]
+            candidates = draft_tokens[:, :, None]  # (B, 0, 1)
+        accept = rejection_accept(
+            draft_tokens, draft_q, probs, sampler.generator, candidates=candidates
+        )
+        return accept, features
 
     def _tree_round(
         self,
@@ -628,26 +658,52 @@ class Engine:
             dict(paths=self.tree_paths, nodes=nodes, depth=depth),
             self._bucket(longest + self.block_size, self._draft_capacity()),
             self._bucket(longest + nodes + 1, self.max_seq_len),
-            (sampler.temperature, sampler.top_p, sampler.generator),
+            (sampler.temperature, sampler.top_p, sampler.generator, sampler.scale),
             timer,
         )
 
-    def _propose(
-        self, anchors: torch.Tensor, sampler: _Sampler, num_draft: int, kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The first `num_draft` of the draft's proposals for each anchor, and their q."""
+    def _draft_inputs(
+        self, anchors: torch.Tensor, sampler: _Sampler
+    ) -> tuple[StepCache, tuple[torch.Tensor, ...]]:
+        """The draft step of this call (greedy or sampling) and its inputs for `anchors`.
+
+        The sampling draft's randomness (the exponential race's Exp(1) draws) is drawn here from
+        the call's generator, so the step itself is a pure function of tensors."""
         if sampler.temperature <= 0.0:
-            (tokens,) = self._draft_step(anchors, kv_len=kv_len)
-            return tokens[:, :num_draft], None
-        proposal = self.draft.propose(
-            self.draft_cache, anchors, sampler.temperature, sampler.generator, kv_len=kv_len
-        )
-        return proposal.tokens[:, :num_draft], proposal.q[:, :num_draft]
+            return self._draft_step, (anchors,)
+        noise = self._draft_noise(anchors.shape[0], sampler.generator)
+        return self._draft_sample_step, (anchors, noise, sampler.scale)
+
+    def _propose(
+        self, step: StepCache, inputs: tuple[torch.Tensor, ...], num_draft: int, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The first `num_draft` of the draft's proposals for each anchor, and (when sampling)
+        their q over the slots' candidates and the candidates, `(B, g, K)` each."""
+        out = step(*inputs, kv_len=kv_len)
+        tokens = out[0][:, :num_draft]
+        if len(out) == 1:  # greedy
+            return tokens, None, None
+        return tokens, out[1][:, :num_draft], out[2][:, :num_draft]
+
+    def _draft_noise(self, batch: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Exp(1) draws `(B, Bk-1, K)` for one sampling draft block (see `_draft_sample`)."""
+        shape = (batch, self.block_size - 1, self.draft.num_candidates)
+        return exponential_noise(shape, generator, self.device)
 
     # ------------------------------------------------------------------ steps (compiled, graphed)
     def _draft_greedy(self, anchors: torch.Tensor, kv_len: int) -> tuple[torch.Tensor]:
-        # Greedy proposals only: sampling draws from a generator and runs eager.
         return (self.draft.propose(self.draft_cache, anchors, 0.0, None, kv_len=kv_len).tokens,)
+
+    def _draft_sample(
+        self, anchors: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sampled proposals: tokens `(B, Bk-1)`, q and candidates `(B, Bk-1, K)`, given the
+        race's Exp(1) `noise (B, Bk-1, K)` and the 0-dim `temperature` tensor (one capture
+        serves every temperature)."""
+        proposal = self.draft.propose(
+            self.draft_cache, anchors, temperature, None, kv_len=kv_len, noise=noise
+        )
+        return proposal.tokens, proposal.q, proposal.candidates
 
     def _target_forward(
         self, block: torch.Tensor, kv_len: int
@@ -699,7 +755,13 @@ class Engine:
         return sorted(out)
 
     def _steps(self) -> tuple[StepCache, ...]:
-        return (self._target_step, self._draft_step, self._commit_step, *self._tree.steps)
+        return (
+            self._target_step,
+            self._draft_step,
+            self._draft_sample_step,
+            self._commit_step,
+            *self._tree.steps,
+        )
 
     def _capture_seconds(self) -> float:
         return sum(step.capture_s for step in self._steps())
@@ -720,8 +782,13 @@ class Engine:
 
 @dataclass
 class _Sampler:
-    """Decoding settings of one call."""
+    """Decoding settings of one call; `scale` is the temperature as a 0-dim float32 tensor on
+    the generator's device (an input of the sampling steps, made once per call)."""
 
     temperature: float
     top_p: float
     generator: torch.Generator
+    scale: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scale = torch.full((), self.temperature, device=self.generator.device)

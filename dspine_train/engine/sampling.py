@@ -20,7 +20,15 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     logits = logits.float()
     if temperature <= 0.0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    probs = torch.softmax(logits / temperature, dim=-1)
+    return tempered_probs(logits, temperature, top_p)
+
+
+def tempered_probs(
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float = 1.0
+) -> torch.Tensor:
+    """`target_probs` at a temperature > 0, which may be a 0-dim tensor (an input of a captured
+    step: one graph serves every temperature)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         probs = _top_p_filter(probs, top_p)
     return probs
@@ -40,7 +48,23 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token id per row of `probs (..., V)` -> `(...)` long."""
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return race(probs, exponential_noise(probs.shape, generator, probs.device))
+
+
+def exponential_noise(
+    shape: tuple[int, ...] | torch.Size,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Float32 Exp(1) draws: the randomness of `race`, drawn ahead so that a step that samples
+    takes it as an input (a pure function of tensors, which can be compiled and captured)."""
+    return torch.empty(shape, device=device).exponential_(1.0, generator=generator)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: `argmax(p / E)` over the last axis is a draw from `p (..., V)` when
+    `noise` E holds independent Exp(1) draws of the same shape (E_i / p_i ~ Exp(p_i): the
+    smallest is i with probability p_i)."""
     return (probs / noise).argmax(-1)
 
 

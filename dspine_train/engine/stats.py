@@ -16,9 +16,13 @@ class GenerationStats:
     """Counters of one `generate` / `generate_ar` call (all sequences of the batch together).
 
     A *verification* is one target forward over a block for one active sequence (one decode step
-    in plain decoding). `tau` is tokens committed per verification (accepted + bonus), averaged
-    over verifications; `per_position_acceptance[i]` is the share of verifications in which draft
-    token i + 1 was accepted, so `tau = 1 + sum(per_position_acceptance)`.
+    in plain decoding). `committed` counts the tokens the sequences *kept*: a round's accepted
+    drafts and bonus, less whatever an EOS, a stop string or the `max_new_tokens` budget cut off
+    in a sequence's last round. `tau` is kept tokens per verification; a round's last kept token
+    stands as its bonus, so `per_position_acceptance[i]` is the share of verifications in which
+    draft token i + 1 was accepted and kept with a token after it, and `tau = 1 +
+    sum(per_position_acceptance)`. `round_accepted` holds the drafts the target accepted, cut or
+    not (what the draft achieved, for the parity check).
     """
 
     mode: str
@@ -27,7 +31,7 @@ class GenerationStats:
     new_tokens: int = 0
     steps: int = 0  # target forwards after the prefill (batched)
     verifications: int = 0  # per-sequence verifications (steps x active sequences)
-    committed: int = 0  # tokens committed by verifications, before EOS/length truncation
+    committed: int = 0  # tokens kept from verifications (after EOS / stop / length cuts)
     accepted_at: list[int] = field(default_factory=list)  # per draft position
     # Per sequence, the drafts accepted in each of its verifications, in order: round r of a
     # sequence verified the block anchored r rounds (and sum(accepted) + r tokens) after its
@@ -46,7 +50,7 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length: committed tokens per verification (1.0 for plain decoding)."""
+        """Mean acceptance length: kept tokens per verification (1.0 for plain decoding)."""
         return self.committed / self.verifications if self.verifications else 0.0
 
     @property

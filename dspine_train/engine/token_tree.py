@@ -75,7 +75,7 @@ def greedy_indices(table: torch.Tensor) -> torch.Tensor:
 
     k = table.shape[-1]
     positions = torch.arange(k, device=table.device).expand(*table.shape[:-2], k)
-    return walk_table(table, positions, k).tokens
+    return walk_table(table, positions).tokens
 
 
 def top_paths(table: torch.Tensor, num_paths: int, depth: int) -> torch.Tensor:

@@ -19,6 +19,10 @@ greedy tree round never accepts fewer tokens than the chain round would. When sa
 (temperature > 0), `sampled_tree_accept` draws the target's token at each node and descends
 while a child holds it: multi-candidate rejection with the tree's deterministic (point-mass)
 candidates, lossless like the chain's rejection sampling.
+
+The forward, the acceptance and the compaction are one step (`TreeVerifier.verify_step`), so
+all of it is compiled and CUDA-graph-captured together; when sampling, its random draws are
+inputs drawn just before from the call's generator.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from dspine_train.engine.acceptance import Acceptance
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.kv_cache import StaticKVCache
-from dspine_train.engine.sampling import sample, target_probs
+from dspine_train.engine.sampling import exponential_noise, race, tempered_probs
 from dspine_train.engine.stats import StepTimer
 from dspine_train.engine.token_tree import TokenTree, propose_tree
 
@@ -47,7 +51,7 @@ def greedy_tree_accept(
     order (entries past `num_accepted` repeat the last accepted node).
     """
     argmax = logits.argmax(-1)  # (B, N + 1)
-    return _walk(tree, depth, lambda node: argmax.gather(1, node[:, None]).squeeze(1))
+    return _walk(tree, depth, lambda node, _: argmax.gather(1, node[:, None]).squeeze(1))
 
 
 def sampled_tree_accept(
@@ -55,9 +59,13 @@ def sampled_tree_accept(
     probs: torch.Tensor,
     depth: int,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[Acceptance, torch.Tensor]:
     """Lossless acceptance over `tree` when sampling; `probs (B, N + 1, V)` the target's
     distributions at its nodes (after temperature / top-p). Returns as `greedy_tree_accept`.
+    The draw at level l (0: the root) is the exponential race with `noise[:, l]`, `noise
+    (B, depth + 1, V)` Exp(1) draws (from `generator` when not given; given, the acceptance
+    is a pure function of tensors, which the engine's tree step compiles and captures).
 
     The tree's candidates are deterministic (the top lattice paths), i.e. point-mass proposals.
     Multi-candidate rejection (SpecInfer) with point masses tries the children in turn: child c
@@ -68,28 +76,31 @@ def sampled_tree_accept(
     distribution given the committed tokens and the accepted path, so the output has the law
     of plain sampling.
     """
-    vocab = probs.shape[-1]
+    batch, _, vocab = probs.shape
+    if noise is None:
+        noise = exponential_noise((batch, depth + 1, vocab), generator, probs.device)
 
-    def draw(node: torch.Tensor) -> torch.Tensor:
+    def draw(node: torch.Tensor, level: int) -> torch.Tensor:
         rows = probs.gather(1, node[:, None, None].expand(-1, 1, vocab)).squeeze(1)  # (B, V)
-        return sample(rows, generator)
+        return race(rows, noise[:, level])
 
     return _walk(tree, depth, draw)
 
 
 def _walk(
-    tree: TokenTree, depth: int, choose: Callable[[torch.Tensor], torch.Tensor]
+    tree: TokenTree, depth: int, choose: Callable[[torch.Tensor, int], torch.Tensor]
 ) -> tuple[Acceptance, torch.Tensor]:
-    """From the root, descend to the child holding `choose(node)` (the target's token after
-    `node`) while one does; the first token without a child, or the token after the deepest
-    node, is the bonus. Static shapes: `depth` steps for every row, no host reads."""
+    """From the root, descend to the child holding `choose(node, level)` (the target's token
+    after `node`, `level` deep) while one does; the first token without a child, or the token
+    after the deepest node, is the bonus. Static shapes: `depth` steps for every row, no host
+    reads."""
     batch, device = tree.tokens.shape[0], tree.tokens.device
     node = torch.zeros(batch, dtype=torch.long, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     bonus = torch.zeros(batch, dtype=torch.long, device=device)
     path, tokens, accepted = [node], [], []
-    for _ in range(depth):
-        want = choose(node)  # (B,)
+    for level in range(depth):
+        want = choose(node, level)  # (B,)
         match = (tree.parents == node[:, None]) & (tree.tokens == want[:, None]) & tree.valid
         match[:, 0] = False  # the root is its own parent, never its own child
         found = match.any(-1) & alive
@@ -100,7 +111,7 @@ def _walk(
         path.append(node)
         tokens.append(tree.tokens.gather(1, node[:, None]).squeeze(1))
         accepted.append(found)
-    bonus = torch.where(alive, choose(node), bonus)  # every level accepted: one more token
+    bonus = torch.where(alive, choose(node, depth), bonus)  # all levels accepted: one more
     prefix = torch.stack(accepted, dim=1) if accepted else alive[:, None][:, :0]  # (B, D)
     num_accepted = prefix.long().sum(-1)
     drafted = torch.stack(tokens, dim=1) if tokens else bonus[:, None][:, :0]
@@ -129,10 +140,13 @@ class TreeVerifier:
     """The tree round's steps (see the module docstring), owned by the engine.
 
     `draft_step` (anchors -> the tree's fields; the budget `paths / nodes / depth` is a static
-    argument) and `verify_step` (tree -> features, logits) have static shapes and run as
-    `StepCache`s built with the engine's `step_options` (compiled and CUDA-graph-captured on
-    CUDA, like the chain's steps); acceptance and compaction run eager, as the chain's.
-    `draft_cache()` returns the engine's current draft context cache.
+    argument) and `verify_step` (tree -> acceptance, compaction, the accepted path's features)
+    have static shapes and run as `StepCache`s built with the engine's `step_options` (compiled
+    and CUDA-graph-captured on CUDA, like the chain's steps). The verify step holds the target
+    forward, the acceptance (greedy, or sampling with its randomness drawn ahead and passed in)
+    and the K/V compaction in one graph: rerunning it (a capture's warm-up runs) rewrites the
+    tree's K/V before moving them, so it is idempotent. `draft_cache()` returns the engine's
+    current draft context cache.
     """
 
     def __init__(
@@ -163,13 +177,37 @@ class TreeVerifier:
     def verify_step(
         self,
         tokens: torch.Tensor,
+        parents: torch.Tensor,
         depths: torch.Tensor,
+        valid: torch.Tensor,
         ancestors: torch.Tensor,
+        *sampling: torch.Tensor,
         kv_len: int,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """One target forward over the tree: context features and float32 logits per node."""
+        depth: int,
+        top_p: float = 1.0,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """One target forward over the tree, acceptance, and the accepted path's K/V moved
+        into order: `num_accepted (B,)`, `tokens (B, depth + 1)`, `accepted (B, depth)` (the
+        `Acceptance`) and the path's features `(B, depth + 1, F)` (None without them).
+
+        Greedy without `sampling`; sampling with `sampling = (temperature, noise)`: the
+        temperature as a 0-dim tensor and the Exp(1) `noise (B, depth + 1, V)` of
+        `sampled_tree_accept`."""
+        tree = TokenTree(tokens, parents, depths, valid, ancestors)
         out = self.target(tokens, kv_len=kv_len, tree_depths=depths, tree_ancestors=ancestors)
-        return out.features, self.target.logits(out.hidden)
+        logits = self.target.logits(out.hidden)
+        if sampling:
+            temperature, noise = sampling
+            probs = tempered_probs(logits, temperature, top_p)
+            acc, path = sampled_tree_accept(tree, probs, depth, noise=noise)
+        else:
+            acc, path = greedy_tree_accept(tree, logits, depth)
+        compact_path(self.target.cache, path, path.shape[0])
+        features = out.features
+        if features is not None:
+            index = path[:, :, None].expand(-1, -1, features.shape[-1])
+            features = features.gather(1, index)  # (B, D + 1, F): root, then accepted nodes
+        return acc.num_accepted, acc.tokens, acc.accepted, features
 
     def run_round(
         self,
@@ -177,54 +215,66 @@ class TreeVerifier:
         budget: dict[str, int],
         draft_kv: int,
         verify_kv: int,
-        sampling: tuple[float, float, torch.Generator | None],
+        sampling: tuple[float, float, torch.Generator | None, torch.Tensor | None],
         timer: StepTimer,
     ) -> tuple[Acceptance, torch.Tensor | None]:
-        """Draft the trees, verify them in one forward, accept: the `Acceptance` and the
+        """Draft the trees, verify and accept them in one step: the `Acceptance` and the
         accepted path's features in order (root first), ready for the engine's commit.
-        `sampling` is (temperature, top_p, generator); temperature 0 is greedy."""
+        `sampling` is (temperature, top_p, generator, temperature as a 0-dim tensor);
+        temperature 0 is greedy."""
         self.draft_steps.prepare(anchors, kv_len=draft_kv, **budget)  # capture outside timing
         with timer.section("draft"):
             tree = TokenTree(*self.draft_steps(anchors, kv_len=draft_kv, **budget))
-        inputs = (tree.tokens, tree.depths, tree.ancestors)
-        self.verify_steps.prepare(*inputs, kv_len=verify_kv)
+        inputs, static = self.verify_inputs(tree, budget["depth"], verify_kv, *sampling)
+        self.verify_steps.prepare(*inputs, **static)
         with timer.section("verify"):
-            features, logits = self.verify_steps(*inputs, kv_len=verify_kv)
-        return self.accept(tree, logits, features, budget["depth"], *sampling)
+            num_accepted, tokens, accepted, features = self.verify_steps(*inputs, **static)
+        return Acceptance(num_accepted, tokens, accepted), features
+
+    def verify_inputs(
+        self,
+        tree: TokenTree,
+        depth: int,
+        kv_len: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        """The verify step's inputs and static arguments. When sampling, the acceptance's
+        Exp(1) draws are drawn here from `generator`, outside the step, and `scale` is the
+        temperature as a 0-dim tensor (made here when not given)."""
+        inputs = (tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestors)
+        if temperature <= 0.0:
+            return inputs, dict(kv_len=kv_len, depth=depth)
+        batch, vocab = tree.tokens.shape[0], self.target.lm_head.weight.shape[0]
+        noise = exponential_noise((batch, depth + 1, vocab), generator, tree.tokens.device)
+        if scale is None:
+            scale = torch.full((), temperature, device=tree.tokens.device)
+        return (*inputs, scale, noise), dict(kv_len=kv_len, depth=depth, top_p=top_p)
 
     def warmup(
-        self, batch: int, budget: dict[str, int], draft_kvs: list[int], verify_kvs: list[int]
+        self,
+        batch: int,
+        budget: dict[str, int],
+        draft_kvs: list[int],
+        verify_kvs: list[int],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> None:
-        """Capture both steps at these kv lengths (CUDA), or run each once (CPU)."""
+        """Capture both steps at these kv lengths (CUDA), or run each once (CPU); the verify
+        step greedy, and also sampling at `top_p` when `temperature` > 0."""
         anchors = torch.zeros(batch, dtype=torch.long, device=self.target.device)
         for kv in draft_kvs:
             self.draft_steps.prepare(anchors, kv_len=kv, **budget)
         tree = TokenTree(*self.draft_steps(anchors, kv_len=draft_kvs[0], **budget))
-        inputs = (tree.tokens, tree.depths, tree.ancestors)
-        for kv in verify_kvs:
-            self.verify_steps.prepare(*inputs, kv_len=kv)
-        if not self.verify_steps.enabled:
-            self.verify_steps(*inputs, kv_len=verify_kvs[0])
-
-    def accept(
-        self,
-        tree: TokenTree,
-        logits: torch.Tensor,
-        features: torch.Tensor | None,
-        depth: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        generator: torch.Generator | None = None,
-    ) -> tuple[Acceptance, torch.Tensor | None]:
-        """Acceptance (greedy, or lossless sampling at `temperature` > 0), K/V compaction, and
-        the accepted path's features in order."""
-        if temperature <= 0.0:
-            acc, path = greedy_tree_accept(tree, logits, depth)
-        else:
-            probs = target_probs(logits, temperature, top_p)
-            acc, path = sampled_tree_accept(tree, probs, depth, generator)
-        compact_path(self.target.cache, path, path.shape[0])
-        if features is not None:
-            index = path[:, :, None].expand(-1, -1, features.shape[-1])
-            features = features.gather(1, index)  # (B, D + 1, F): root, then accepted nodes
-        return acc, features
+        settings = [(0.0, 1.0)] + ([(temperature, top_p)] if temperature > 0.0 else [])
+        generator = torch.Generator(anchors.device).manual_seed(0)  # leave the global RNG be
+        for temp, nucleus in settings:
+            sampling = (temp, nucleus, generator)
+            for kv in verify_kvs:
+                inputs, static = self.verify_inputs(tree, budget["depth"], kv, *sampling)
+                self.verify_steps.prepare(*inputs, **static)
+            if not self.verify_steps.enabled:
+                inputs, static = self.verify_inputs(tree, budget["depth"], verify_kvs[0], *sampling)
+                self.verify_steps(*inputs, **static)

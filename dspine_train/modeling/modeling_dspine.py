@@ -70,11 +70,14 @@ class DraftProposal:
     """One drafted block per sequence.
 
     tokens: (B, Bk-1) draft tokens for positions anchor+1 .. anchor+Bk-1.
-    q: (B, Bk-1, V) float32 distribution each token was sampled from; None for greedy.
+    q: (B, Bk-1, K) float32 distribution each token was sampled from, over that slot's
+        `candidates`; None for greedy.
+    candidates: (B, Bk-1, K) long target ids q is over (distinct per slot); None for greedy.
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
 
 
 class DSpinePreTrainedModel(PreTrainedModel):
@@ -400,30 +403,42 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         recv_features: torch.Tensor,
         slot_logits: torch.Tensor,
         anchor_ids: torch.Tensor,
-        temperature: float = 0.0,
+        temperature: float | torch.Tensor = 0.0,
         generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
     ) -> WalkResult:
         """Decode drafted tokens from one forward's outputs (SPEC 2.4).
 
         pre_injection (..., Bk, H), recv_features (..., Bk-1, r), slot_logits (..., Bk-1, V),
-        anchor_ids (...,). With `transition_cache` the K x K table walk, else per-slot decode.
-        With a pruned vocabulary, slot_logits are over draft ids and this is the one place they
-        become target ids: the tokens returned and q are over the target's vocabulary.
+        anchor_ids (...,). With `transition_cache` the K x K table walk, else per-slot decode
+        (sampling from each slot's top-K). Sampling (`temperature > 0`, or `noise` given) draws
+        with the engine's exponential race over `noise (..., Bk-1, K)` Exp(1) draws, from
+        `generator` when not given; with `noise` the walk is a pure function of tensors and
+        `temperature` may be a tensor. With a pruned vocabulary, slot_logits are over draft ids
+        and this is the one place they become target ids: the tokens and candidates returned
+        are target ids.
         """
+        k = self.num_candidates
         if not self.config.transition_cache:
-            result = per_slot_decode(slot_logits, temperature, generator)
+            result = per_slot_decode(slot_logits, k, temperature, generator, noise)
             if self.config.draft_vocab_size is None:
                 return result
-            q = result.q
-            if q is not None:  # scattered into the target's vocabulary (zero off the draft's)
-                rows = self.draft_token_ids().to(q.device).expand(*q.shape[:-1], -1)
-                q = q.new_zeros(*q.shape[:-1], self.config.vocab_size).scatter_(-1, rows, q)
-            return WalkResult(self.draft_to_target(result.tokens), q)
-        cand = self.draft_to_target(top_candidates(slot_logits, self.config.candidate_k))
+            cand = result.candidates
+            return WalkResult(
+                self.draft_to_target(result.tokens),
+                result.q,
+                None if cand is None else self.draft_to_target(cand),
+            )
+        cand = self.draft_to_target(top_candidates(slot_logits, k))
         table = transition_table(
             self.refined_scores, pre_injection[..., 1:, :], recv_features, anchor_ids, cand
         )
-        return walk_table(table, cand, self.config.vocab_size, temperature, generator)
+        return walk_table(table, cand, temperature, generator, noise)
+
+    @property
+    def num_candidates(self) -> int:
+        """K: the candidates per slot a sampling walk draws among (the last axis of q)."""
+        return int(self.config.candidate_k)
 
     def new_context_cache(
         self,
@@ -497,14 +512,17 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         self,
         cache: DraftContextCache,
         anchor_ids: torch.Tensor,
-        temperature: float = 0.0,
+        temperature: float | torch.Tensor = 0.0,
         generator: torch.Generator | None = None,
         kv_len: int | None = None,
+        noise: torch.Tensor | None = None,
     ) -> DraftProposal:
         """Draft one block per sequence after its committed context; anchor_ids (B,).
 
-        `kv_len` bounds the context slots attended to (see `draft_forward`).
+        `kv_len` bounds the context slots attended to (see `draft_forward`). Sampling as in
+        `walk`: `noise (B, Bk-1, K)` makes it a pure function of tensors (the engine's
+        compiled, captured sampling step).
         """
         slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
-        result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator)
-        return DraftProposal(tokens=result.tokens, q=result.q)
+        result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator, noise)
+        return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)

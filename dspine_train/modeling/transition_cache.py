@@ -8,6 +8,10 @@ anchor) makes its rows coincide - and the decode only walks the table:
     x_t = argmax_{c'} S_t[x_{t-1}, c']       (greedy)
     x_t ~ softmax(S_t[x_{t-1}, :] / T)       (sampling; that row is the draft's q for slot t)
 
+Sampling uses the engine's exponential race (`engine.sampling.race`) over Exp(1) draws that
+can be drawn ahead and passed in (`noise`), so a sampling walk is a pure function of tensors;
+q stays sparse, one row of K probabilities over the slot's candidates.
+
 `naive_serial_walk` recomputes each slot's scores after committing its predecessor; the walk
 must choose exactly the same tokens (a test checks it).
 """
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspine_train.engine.sampling import exponential_noise, race
+
 # score(pre (..., T, H), recv (..., T, r), pred_ids (..., T, P), cand_ids (..., T, K)) -> (..., T, P, K)
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -28,11 +34,14 @@ class WalkResult:
     """Drafted tokens and, when sampling, the distribution each was drawn from.
 
     tokens: (..., T) long.
-    q: (..., T, V) float32 restricted distributions scattered into the vocabulary, or None (greedy).
+    q: (..., T, K) float32, or None (greedy): slot t's token was drawn from `q[..., t, :]` over
+        that slot's K candidates `candidates[..., t, :]` (zero probability everywhere else).
+    candidates: (..., T, K) long distinct token ids, or None (greedy).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
 
 
 def top_candidates(slot_logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,47 +72,60 @@ def transition_table(
 
 
 def _choose(
-    row: torch.Tensor, temperature: float, generator: torch.Generator | None
+    row: torch.Tensor, temperature: float | torch.Tensor, noise: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pick an index from scores row (..., K): argmax, or a sample from softmax(row / T)."""
-    if temperature <= 0.0:
+    """Pick an index from scores row (..., K): argmax without `noise`, else a draw from
+    softmax(row / T) by the engine's exponential race with `noise (..., K)` Exp(1) draws."""
+    if noise is None:
         return row.argmax(dim=-1), None
     probs = torch.softmax(row.float() / temperature, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])  # (N, K) for multinomial
-    idx = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-    return idx, probs
+    return race(probs, noise), probs
 
 
-def _scatter_q(q_cand: list[torch.Tensor], cand: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    q = torch.stack(q_cand, dim=-2)  # (..., T, K)
-    out = torch.zeros(*cand.shape[:-1], vocab_size, dtype=torch.float32, device=cand.device)
-    return out.scatter_(-1, cand, q.float())
+def draw_noise(
+    cand: torch.Tensor,
+    temperature: float | torch.Tensor,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The walk's randomness: `noise` when given (sampling, its shape that of `cand`), else
+    fresh Exp(1) draws from `generator` when `temperature > 0`, else None (greedy)."""
+    if noise is not None or temperature <= 0.0:
+        return noise
+    return exponential_noise(cand.shape, generator, cand.device)
 
 
 def walk_table(
     table: torch.Tensor,
     cand: torch.Tensor,
-    vocab_size: int,
-    temperature: float = 0.0,
+    temperature: float | torch.Tensor = 0.0,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> WalkResult:
     """Left-to-right walk over the transition table; only look-ups are serial.
 
-    table (..., T, K, K), cand (..., T, K). Returns tokens (..., T) and, when sampling, q.
+    table (..., T, K, K), cand (..., T, K). Returns tokens (..., T) and, when sampling, q over
+    the candidates. Sampling draws slot t from row `x_{t-1}` of its table, with `noise
+    (..., T, K)` (Exp(1) draws; drawn from `generator` when not given and `temperature > 0`).
+    A given `noise` means sampling, and `temperature` may then be a tensor.
     """
+    noise = draw_noise(cand, temperature, generator, noise)
     num_slots = cand.shape[-2]
     prev = torch.zeros(cand.shape[:-2], dtype=torch.long, device=cand.device)  # row of slot 1
     tokens, q_cand = [], []
     for t in range(num_slots):
         rows = table[..., t, :, :]  # (..., K, K)
         row = torch.gather(rows, -2, prev[..., None, None].expand(*prev.shape, 1, rows.shape[-1]))
-        idx, probs = _choose(row.squeeze(-2), temperature, generator)
+        slot_noise = None if noise is None else noise[..., t, :]
+        idx, probs = _choose(row.squeeze(-2), temperature, slot_noise)
         tokens.append(torch.gather(cand[..., t, :], -1, idx[..., None]).squeeze(-1))
         if probs is not None:
             q_cand.append(probs)
         prev = idx
     out = torch.stack(tokens, dim=-1)
-    return WalkResult(out, _scatter_q(q_cand, cand, vocab_size) if q_cand else None)
+    if not q_cand:
+        return WalkResult(out)
+    return WalkResult(out, torch.stack(q_cand, dim=-2), cand)
 
 
 def naive_serial_walk(
@@ -112,14 +134,16 @@ def naive_serial_walk(
     recv: torch.Tensor,
     anchor_ids: torch.Tensor,
     cand: torch.Tensor,
-    vocab_size: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> WalkResult:
     """Reference decode: after committing x_{t-1}, score slot t's candidates given it.
 
-    One scoring call per slot, serial; the transition-cache walk must equal it.
+    One scoring call per slot, serial; the transition-cache walk must equal it (given the same
+    `noise`, or generators in the same state, when sampling).
     """
+    noise = draw_noise(cand, temperature, generator, noise)
     prev_token = anchor_ids
     tokens, q_cand = [], []
     for t in range(cand.shape[-2]):
@@ -127,24 +151,35 @@ def naive_serial_walk(
             pre[..., t : t + 1, :], recv[..., t : t + 1, :],
             prev_token[..., None, None], cand[..., t : t + 1, :],
         )  # (..., 1, 1, K)
-        idx, probs = _choose(row[..., 0, 0, :], temperature, generator)
+        slot_noise = None if noise is None else noise[..., t, :]
+        idx, probs = _choose(row[..., 0, 0, :], temperature, slot_noise)
         prev_token = torch.gather(cand[..., t, :], -1, idx[..., None]).squeeze(-1)
         tokens.append(prev_token)
         if probs is not None:
             q_cand.append(probs)
     out = torch.stack(tokens, dim=-1)
-    return WalkResult(out, _scatter_q(q_cand, cand, vocab_size) if q_cand else None)
+    if not q_cand:
+        return WalkResult(out)
+    return WalkResult(out, torch.stack(q_cand, dim=-2), cand)
 
 
 def per_slot_decode(
     slot_logits: torch.Tensor,
-    temperature: float = 0.0,
+    k: int,
+    temperature: float | torch.Tensor = 0.0,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> WalkResult:
-    """Decode each slot by its own distribution (`transition_cache: false`, and plain DFlash)."""
-    if temperature <= 0.0:
+    """Decode each slot by its own distribution (`transition_cache: false`, and plain DFlash).
+
+    Greedy is the slot's argmax. Sampling draws from the slot's softmax restricted to its top-`k`
+    (the candidates the token tree uses too), so that q stays sparse: `(..., T, K)` over
+    `candidates` (ids of `slot_logits`' last axis). `noise` as in `walk_table`.
+    """
+    if noise is None and temperature <= 0.0:
         return WalkResult(slot_logits.argmax(dim=-1))
-    probs = torch.softmax(slot_logits.float() / temperature, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])  # (N, V)
-    tokens = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-    return WalkResult(tokens, probs)
+    cand = top_candidates(slot_logits, k)
+    noise = draw_noise(cand, temperature, generator, noise)
+    probs = torch.softmax(slot_logits.gather(-1, cand).float() / temperature, dim=-1)
+    tokens = cand.gather(-1, race(probs, noise)[..., None]).squeeze(-1)
+    return WalkResult(tokens, probs, cand)
