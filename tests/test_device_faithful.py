@@ -112,6 +112,7 @@ def test_warmup_and_commit_run_on_the_device_without_host_reads(files, dev) -> N
     engine = _engine(root, dev, tree_paths=2)
     with dev.counting() as syncs:
         engine.warmup(batch_sizes=[1, 3], num_draft_tokens=[0, 7])
+        engine.warmup(batch_sizes=[1, 3], num_draft_tokens=[7], temperature=1.0)
     assert sum(syncs.values()) == 0, syncs.sites
     assert engine.generate(PROMPTS, max_new_tokens=NEW, chat=False).token_ids == reference
 
