@@ -13,9 +13,10 @@ runs both on the same rows and lines them up:
   (`training.target.TargetFeatureExtractor` on the Hugging Face model).
 
 With no train/serve mismatch both agree on every block, except where a block runs past the
-row's end: the engine may accept drafts after the EOS or the token budget (it counts them in
-its tau, `GenerationStats.committed`), the simulation has no supervised slot there. The paired
-comparison therefore clips the engine's count to the slots the row holds (`room`).
+row's end: the target may accept drafts after the EOS or the token budget (they are in
+`round_accepted`, though the engine's tau counts only the tokens kept), the simulation has no
+supervised slot there. The paired comparison therefore clips the engine's count to the slots
+the row holds (`room`).
 
 Besides the paired figures it reports the trainer's own figure on the same rows (every valid
 anchor of the responses, as `sample_anchors` draws them), so a gap between "trainer" and
