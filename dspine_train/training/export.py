@@ -20,7 +20,8 @@ from accelerate import Accelerator
 from torch import nn
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir
-from ..formats import write_format
+from ..formats import EXPORT_MARKER, write_format
+from ..owned_dir import write_marker
 
 DRAFT_PREFIX = "draft."
 TOKEN_TABLE_FILE = "token_table.safetensors"
@@ -54,6 +55,8 @@ def export_draft(
         if fmt == "dspine":  # the DFlash format has no token codes
             shutil.copyfile(token_table_path, tmp / TOKEN_TABLE_FILE)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str))
+        # the same marker as `python -m dspine_train.export`: either may replace this export
+        write_marker(tmp, EXPORT_MARKER, "the trainer's export")
         replace_dir(tmp, out_dir)  # no moment without a whole export at out_dir
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

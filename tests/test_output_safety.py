@@ -1,0 +1,197 @@
+"""Outputs that must never replace inputs or foreign files, one run per output directory, and
+full disks over an existing output (issue 32: data loss, item 1 and 4; clear errors, ENOSPC).
+
+The rule every tool follows (`dspine_train.owned_dir`): replace only what the tool itself wrote
+(its marker) or an empty directory, refuse an output overlapping any input, check it before the
+work starts; hold `dspine_train.output_lock` on an output directory for the life of the run.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from _engine_helpers import build_tiny_target, build_tokenizer, tiny_draft
+
+from dspine_train.output_lock import OutputLockedError, acquire, lock_output, lock_path, release
+from tests._train_helpers import REPO, train_env
+
+VOCAB = 200
+
+
+# ----------------------------------------------------------------------------- helpers
+def tree(path: Path) -> dict[str, bytes]:
+    """Every file under `path` with its bytes: a directory's exact content."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+def run_python(args: list[str], file_size_limit: int | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python <args>` from the repo root; with `file_size_limit`, every file the process
+    writes is capped at that many bytes (a write beyond fails with EFBIG, as on a full or
+    size-limited disk)."""
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limit if file_size_limit else None)
+
+
+def one_error_line(done: subprocess.CompletedProcess, *expected: str) -> str:
+    """Non-zero exit, one `error:` line holding every `expected` text, no traceback."""
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, done.stderr[-2000:]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+@contextmanager
+def held_elsewhere(output: Path) -> Iterator[int]:
+    """The output lock of `output` held by another process (a second run); yields its pid."""
+    code = ("import sys; from dspine_train.output_lock import acquire; "
+            "acquire(sys.argv[1], 'test'); print('locked', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(output)], cwd=REPO,
+                              env=train_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder.pid
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+# ----------------------------------------------------------------------------- the lock
+def test_a_second_holder_is_refused_naming_the_first(tmp_path):
+    out = tmp_path / "out"
+    with held_elsewhere(out) as pid:
+        with pytest.raises(OutputLockedError) as refused:
+            acquire(out, "output_dir")
+    message = str(refused.value)
+    assert message.startswith(f"output_dir: {out} is in use by another run: pid {pid} on ")
+    assert "since 20" in message and "(command: " in message
+    # the holder is gone: its lock went with it, and the lock file with a clean release
+    with lock_output(out, "output_dir") as path:
+        assert path == lock_path(out) and path.parent == tmp_path
+    assert not lock_path(out).exists()
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    out = tmp_path / "out"
+    code = ("import sys, os; from dspine_train.output_lock import acquire; "
+            "acquire(sys.argv[1], 'test'); os._exit(0)")  # no release: as a kill
+    assert run_python(["-c", code, str(out)]).returncode == 0
+    assert lock_path(out).exists()  # left behind, but unlocked
+    with lock_output(out, "output_dir"):
+        pass
+
+
+def test_the_lock_is_reentrant_in_one_process(tmp_path):
+    out = tmp_path / "out"
+    acquire(out, "a")
+    acquire(out, "b")  # e.g. a trainer that tokenises into its own output directory
+    release(out)
+    with held_elsewhere(tmp_path / "other"):
+        pass
+    assert lock_path(out).exists()
+    release(out)
+    assert not lock_path(out).exists()
+
+
+# ----------------------------------------------------------------------------- export
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    """A tiny target (config, weights, tokenizer, generation config) and a draft export."""
+    root = tmp_path_factory.mktemp("outputs")
+    hf = build_tiny_target(root / "target", "qwen3", num_hidden_layers=6, eos_token_id=None)
+    build_tokenizer(root / "target", vocab_size=VOCAB)
+    tiny_draft(hf, VOCAB).save_pretrained(root / "draft")
+    return {"root": root, "target": root / "target", "draft": root / "draft"}
+
+
+def export(source: Path, out: Path, *extra: str,
+           file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    return run_python(["-m", "dspine_train.export", str(source), str(out), "--format", "dspine",
+                       *extra], file_size_limit=file_size_limit)
+
+
+def test_export_onto_a_target_model_is_refused_and_the_target_untouched(world, tmp_path):
+    """Old code: exit 0 "wrote dspine draft", the target's weights and tokenizer gone."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(world["target"], target)
+    before = tree(target)
+    assert {"tokenizer.json", "model.safetensors", "config.json"} <= set(before)
+    done = export(world["draft"], target)
+    one_error_line(done, "OUT_DIR", str(target), "not written by dspine_train.export")
+    assert done.returncode == 2
+    assert tree(target) == before
+
+
+@pytest.mark.parametrize("where", ["parent", "inside", "same"])
+def test_export_overlapping_its_source_is_refused_and_the_source_survives(world, tmp_path,
+                                                                          where):
+    """Old code: exporting `src/sub` into `src` deleted the source."""
+    import shutil
+
+    holder = tmp_path / "src"
+    source = holder / "sub"
+    shutil.copytree(world["draft"], source)
+    shutil.copy(world["draft"] / "config.json", holder)  # the parent looks like an export too
+    before = tree(holder)
+    out = {"parent": holder, "inside": source / "out", "same": source}[where]
+    done = export(source, out)
+    one_error_line(done, "OUT_DIR", "overlaps SRC_DIR", str(source))
+    assert tree(holder) == before
+
+
+def test_export_replaces_its_own_export_and_an_unmarked_draft_export(world, tmp_path):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(world["draft"], out)  # a draft export without the marker (older ones)
+    done = export(world["draft"], out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (out / ".dspine_train.export").is_file()
+    done = export(world["draft"], out)  # marked now
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no lock file, no build
+
+
+def test_a_second_export_into_the_same_directory_is_refused_by_name(world, tmp_path):
+    """Old code: both exports reported success, one silently replacing the other."""
+    out = tmp_path / "out"
+    with held_elsewhere(out) as pid:
+        done = export(world["draft"], out)
+    one_error_line(done, "OUT_DIR", str(out), "in use by another run", f"pid {pid}",
+                   "since", "command:")
+    assert not out.exists()
+
+
+def test_export_on_a_full_disk_keeps_the_old_export_and_says_so(world, tmp_path):
+    """Old code: a SafetensorError traceback."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(world["draft"], out)
+    before = tree(out)
+    weights = (out / "model.safetensors").stat().st_size
+    done = export(world["draft"], out, file_size_limit=weights // 2)
+    line = one_error_line(done, f"OUT_DIR {out}", "File too large", "EFBIG",
+                          f"the old output in {out} is intact")
+    assert done.returncode == 1, line
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
