@@ -195,3 +195,119 @@ def test_export_on_a_full_disk_keeps_the_old_export_and_says_so(world, tmp_path)
     assert done.returncode == 1, line
     assert tree(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ----------------------------------------------------------------------------- token table
+def test_token_table_into_the_target_is_refused_before_reading_it(world, tmp_path, capsys):
+    """Old code: `--out T/model.safetensors` overwrote the target's weights, exit 0."""
+    import shutil
+
+    from dspine_train.token_table import main
+
+    target = tmp_path / "target"
+    shutil.copytree(world["target"], target)
+    before = tree(target)
+    for out in (target / "model.safetensors", target / "codes" / "table.safetensors"):
+        assert main(["--target", str(target), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --out: {out} overlaps --target {target}"), err
+    assert tree(target) == before
+
+
+def test_token_table_replaces_its_own_table_only(world, tmp_path, capsys):
+    from dspine_train.token_table import main
+
+    foreign = tmp_path / "weights.safetensors"
+    shutil_copy = (world["target"] / "model.safetensors").read_bytes()
+    foreign.write_bytes(shutil_copy)
+    argv = ["--target", str(world["target"]), "--transfer-dim", "8", "--out"]
+    assert main([*argv, str(foreign)]) == 2
+    err = capsys.readouterr().err
+    assert "not written by dspine_train.token_table" in err and str(foreign) in err
+    assert foreign.read_bytes() == shutil_copy
+    table = tmp_path / "table.safetensors"
+    assert main([*argv, str(table)]) == 0
+    assert main([*argv, str(table)]) == 0  # its own table: rebuilt in place
+
+
+# ----------------------------------------------------------------------------- engine CLI
+@pytest.mark.parametrize("where", ["draft_weights", "in_target", "prompts", "foreign"])
+def test_engine_output_onto_an_input_is_refused_before_loading(world, tmp_path, capsys,
+                                                               where):
+    """Old code: `--output DRAFT/model.safetensors` replaced the draft's weights with JSON, and
+    `--output` equal to the prompts file replaced the prompts (exit 0)."""
+    import shutil
+
+    from dspine_train.engine.cli import main
+
+    draft = tmp_path / "draft"
+    shutil.copytree(world["draft"], draft)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2\n")
+    foreign = tmp_path / "notes.json"
+    foreign.write_text('{"mine": 1}\n')
+    before = {**tree(tmp_path), **tree(world["target"])}
+    output = {"draft_weights": draft / "model.safetensors",
+              "in_target": world["target"] / "results.json", "prompts": prompts,
+              "foreign": foreign}[where]
+    code = main(["--target", str(world["target"]), "--draft", str(draft), "--prompts",
+                 str(prompts), "--no-chat", "--max-new-tokens", "2", "--output", str(output)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"error: --output: {output} "), err
+    assert ("not written by the engine" if where == "foreign" else "overlaps --") in err
+    assert {**tree(tmp_path), **tree(world["target"])} == before
+
+
+# ----------------------------------------------------------------------------- eval_acceptance
+def _eval_acceptance():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_acceptance",
+                                                  REPO / "scripts" / "eval_acceptance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("where", ["file", "in_draft", "foreign_results"])
+def test_eval_acceptance_out_is_checked_before_evaluating(world, tmp_path, capsys,
+                                                          monkeypatch, where):
+    """Old code: onto a file it evaluated for minutes, then FileExistsError (results lost);
+    inside a draft export it wrote its results there (which push_to_hub uploads)."""
+    import shutil
+
+    module = _eval_acceptance()
+
+    def evaluate(*args, **kwargs):
+        raise AssertionError("evaluated before checking --out")
+
+    monkeypatch.setattr(module, "evaluate", evaluate)
+    draft = tmp_path / "draft"
+    shutil.copytree(world["draft"], draft)
+    out = {"file": tmp_path / "results.txt", "in_draft": draft / "eval",
+           "foreign_results": tmp_path / "mine"}[where]
+    if where == "file":
+        out.write_text("keep me\n")
+    if where == "foreign_results":
+        out.mkdir()
+        (out / "results.json").write_text('{"mine": 1}\n')
+    before = tree(tmp_path)
+    code = module.main(["--target", str(world["target"]), "--draft", str(draft),
+                        "--bench", "humaneval", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("error: --out") and str(out) in err, err
+    assert {"file": "not a directory", "in_draft": "overlaps --draft",
+            "foreign_results": "not written by eval_acceptance.py"}[where] in err
+    assert tree(tmp_path) == before
+
+
+def test_a_second_evaluation_into_the_same_out_is_refused(world, tmp_path, capsys,
+                                                          monkeypatch):
+    module = _eval_acceptance()
+    monkeypatch.setattr(module, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
+    out = tmp_path / "eval"
+    with held_elsewhere(out) as pid:
+        code = module.main(["--target", str(world["target"]), "--draft", str(world["draft"]),
+                            "--bench", "humaneval", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and f"--out: {out} is in use by another run: pid {pid}" in err, err
