@@ -311,3 +311,144 @@ def test_a_second_evaluation_into_the_same_out_is_refused(world, tmp_path, capsy
                             "--bench", "humaneval", "--out", str(out)])
     err = capsys.readouterr().err.strip()
     assert code == 1 and f"--out: {out} is in use by another run: pid {pid}" in err, err
+
+
+# ----------------------------------------------------------------------------- data_prep
+def tokenize_args(tokenizer: Path, inputs: Path, out: Path, hydra_dir: Path) -> list[str]:
+    return ["-m", "data_prep.tokenize", f"data.tokenize.tokenizer_path={tokenizer}",
+            f"data.tokenize.input_paths=[{inputs}]", f"data.tokenize.output_dir={out}",
+            "data.tokenize.eval_fraction=0.3", f"hydra.run.dir={hydra_dir}"]
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> dict[str, Path]:
+    """A chat tokenizer and 400 conversations (a tokenised output of some 100 KB)."""
+    from _data_helpers import QWEN3_TEMPLATE, chat_row, word_level_tokenizer, write_jsonl
+
+    root = tmp_path_factory.mktemp("conversations")
+    words = ["question", "answer", "ok"] + [str(i) for i in range(40)]
+    word_level_tokenizer(QWEN3_TEMPLATE, words).save_pretrained(root / "tok")
+    rows = [chat_row(f"r{i}", f"question {i % 40} " * 8, f"answer {i % 40} ok " * 8)
+            for i in range(400)]
+    return {"tok": root / "tok", "rows": write_jsonl(root / "rows.jsonl", rows)}
+
+
+def test_tokenize_on_a_full_disk_over_its_output_keeps_it_and_says_so(conversations, tmp_path):
+    """Old code: a `DatasetGenerationError` traceback (datasets wraps the failed write)."""
+    out = tmp_path / "tokenized"
+    args = tokenize_args(conversations["tok"], conversations["rows"], out, tmp_path / "hydra")
+    first = run_python(args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = tree(out)
+    done = run_python([*args, "data.tokenize.seed=1"], file_size_limit=16 * 1024)
+    one_error_line(done, f"data.tokenize.output_dir {out}", "EFBIG",
+                   f"the old output in {out} is intact")
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hydra", "tokenized"]
+
+
+def test_a_second_tokenize_into_the_same_directory_is_refused(conversations, tmp_path):
+    """Old code: both runs reported success, one output silently replacing the other."""
+    out = tmp_path / "tokenized"
+    with held_elsewhere(out) as pid:
+        done = run_python(tokenize_args(conversations["tok"], conversations["rows"], out,
+                                        tmp_path / "hydra"))
+    one_error_line(done, "data.tokenize.output_dir", f"in use by another run: pid {pid}")
+    assert not out.exists()
+
+
+def cache_args(assets: dict[str, Path], tmp_path: Path, features: Path) -> list[str]:
+    return ["recipe=tiny", f"output_dir={tmp_path / 'run'}",
+            f"model.target_path={assets['target']}", f"data.train_path={assets['data']}",
+            f"model.token_table_path={assets['token_table']}", "logging.progress_bar=false",
+            f"data.offline_features_dir={features}", f"hydra.run.dir={tmp_path / 'hydra'}"]
+
+
+def test_cache_features_on_a_full_disk_keeps_the_old_cache_and_says_so(tiny_assets, tmp_path):
+    """Old code: a `SafetensorError` traceback, and a cache half new (train replaced, eval
+    not) when the disk filled on the second split."""
+    from hydra import compose, initialize_config_dir
+
+    from data_prep.cache_features import cache_features
+    from tests._train_helpers import single_thread
+
+    features = tmp_path / "features"
+    args = cache_args(tiny_assets, tmp_path, features)
+    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=args[:-1])
+    with single_thread():
+        cache_features(cfg)
+    before = tree(features)
+    largest = max(p.stat().st_size for p in features.rglob("*.safetensors"))
+    done = run_python(["-m", "data_prep.cache_features", *args, "seed=1"],
+                      file_size_limit=largest // 2)
+    one_error_line(done, f"data.offline_features_dir {features}", "EFBIG",
+                   f"the old output in {features} is intact")
+    assert tree(features) == before
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name] == []
+
+
+def test_a_second_feature_cache_run_into_the_same_directory_is_refused(tiny_assets, tmp_path):
+    features = tmp_path / "features"
+    with held_elsewhere(features) as pid:
+        done = run_python(["-m", "data_prep.cache_features",
+                           *cache_args(tiny_assets, tmp_path, features)])
+    one_error_line(done, "data.offline_features_dir", f"in use by another run: pid {pid}")
+    assert not features.exists()
+
+
+# ----------------------------------------------------------------------------- train.py
+def test_a_second_training_run_into_the_same_output_dir_is_refused(tiny_assets, tmp_path):
+    """Old code: two runs with one output_dir gave a traceback and a "done" run whose
+    metrics.jsonl held the other's steps."""
+    from tests._train_helpers import run_train, tiny_overrides
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("the first run's\n")
+    with held_elsewhere(out) as pid:
+        done = run_train(tiny_overrides(tiny_assets, out, "optim.max_steps=2"))
+    one_error_line(done, "output_dir:", str(out), f"in use by another run: pid {pid}",
+                   "command:")
+    # nothing written: not even Hydra's record of the run's config and its log
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_every_process_of_a_launched_run_stops_on_a_held_lock(tiny_assets, tmp_path):
+    """Only rank 0 takes the lock; the run stops as a whole (the launcher ends the other
+    ranks), instead of leaving them waiting for a rank 0 that is gone."""
+    from tests._train_helpers import run_train, tiny_overrides
+
+    out = tmp_path / "run"
+    launch = ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+    with held_elsewhere(out) as pid:
+        done = run_train(tiny_overrides(tiny_assets, out, "optim.max_steps=2"), launch=launch,
+                         timeout=240)
+    assert done.returncode != 0
+    assert f"error: output_dir: {out} is in use by another run: pid {pid}" in done.stderr, \
+        done.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_the_trainer_locks_its_output_dirs_on_the_main_process_only(tmp_path):
+    """`Trainer` (also without Hydra, e.g. the study) locks `output_dir` and an outside
+    `checkpoint.dir` before it writes; a non-main process takes no lock."""
+    from types import SimpleNamespace
+
+    from dspine_train.training.errors import TrainingError
+    from dspine_train.training.run_lock import lock_run_outputs, release_run_outputs
+
+    config = SimpleNamespace(output_dir=str(tmp_path / "run"),
+                             checkpoint=SimpleNamespace(dir=str(tmp_path / "ckpt")))
+    main = SimpleNamespace(is_main_process=True, num_processes=1)
+    with held_elsewhere(tmp_path / "ckpt") as pid:
+        with pytest.raises(TrainingError, match=rf"checkpoint\.dir: .* pid {pid} "):
+            lock_run_outputs(config, main)
+        assert not lock_path(tmp_path / "run").exists()  # the first lock was given back
+        other = SimpleNamespace(is_main_process=False, num_processes=1)
+        assert lock_run_outputs(config, other) == []
+    taken = lock_run_outputs(config, main)
+    assert taken == [tmp_path / "run", tmp_path / "ckpt"]
+    release_run_outputs(taken)
+    assert not lock_path(tmp_path / "run").exists()
