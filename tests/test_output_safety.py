@@ -414,6 +414,19 @@ def test_a_second_training_run_into_the_same_output_dir_is_refused(tiny_assets, 
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
+def test_training_refuses_a_foreign_final_directory_before_training(tiny_assets, tmp_path):
+    """Old code: the run trained, then replaced `output_dir/final` whatever it held."""
+    from tests._train_helpers import run_train, tiny_overrides
+
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "notes.txt").write_text("not an export\n")
+    done = run_train(tiny_overrides(tiny_assets, out, "optim.max_steps=2"))
+    one_error_line(done, "output_dir:", str(out / "final"), "not written by the trainer's export")
+    assert tree(out / "final") == {"notes.txt": b"not an export\n"}
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
 def test_every_process_of_a_launched_run_stops_on_a_held_lock(tiny_assets, tmp_path):
     """Only rank 0 takes the lock; the run stops as a whole (the launcher ends the other
     ranks), instead of leaving them waiting for a rank 0 that is gone."""

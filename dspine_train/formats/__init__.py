@@ -50,9 +50,10 @@ SIDE_FILES = {"dspine": ("token_table.safetensors", "training_info.json"),
 # file, so `push_to_hub` leaves it out of the upload.
 EXPORT_MARKER = ".dspine_train.export"
 EXPORT_TOOL = "dspine_train.export"
-# What a draft export holds (an older one carries no marker); README.md is push_to_hub's card.
+# What a draft export holds (an older one carries no marker); push_to_hub adds README.md (its
+# card) and reads eval_results.json.
 EXPORT_FILES = {"config.json", WEIGHTS_FILE, "token_table.safetensors", "training_info.json",
-                "README.md"}
+                "eval_results.json", "README.md"}
 # DFlash's own keys (the `dflash_config` block) are not repeated in `dspine_config`.
 _DFLASH_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
 

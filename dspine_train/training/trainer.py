@@ -49,7 +49,7 @@ from .evaluation import (
     simulated_block_accepts,
     stats_from_counts,
 )
-from .export import export_draft
+from .export import check_export_dirs, export_draft
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity
 from .optimizer import build_optimizer
@@ -103,6 +103,7 @@ class Trainer:
     def _setup_run(self) -> None:
         """Everything `__init__` builds once the output directories are locked."""
         config, acc = self.config, self.accelerator
+        check_export_dirs(self.output_dir)  # final/ and best/ are replaced at the end
         # The checkpoint directory is checked before any weights exist: a fresh run must not
         # prune another run's checkpoints, a resume must find this run's (`checkpointing`).
         ckpt_root = Path(config.checkpoint.dir or self.output_dir / "checkpoints")
