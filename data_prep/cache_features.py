@@ -33,7 +33,12 @@ from omegaconf import DictConfig
 from data_prep.cli_errors import existing_output, os_error_line, write_os_error
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
 from dspine_train.output_lock import OutputLockedError, lock_output
-from dspine_train.owned_dir import OwnedDirError, check_replaceable, write_marker
+from dspine_train.owned_dir import (
+    OwnedDirError,
+    check_no_overlap,
+    check_replaceable,
+    write_marker,
+)
 from dspine_train.training.config import (
     ConfigError,
     TrainConfig,
@@ -57,13 +62,17 @@ MARKER = ".data_prep.cache_features"
 TOOL = "data_prep.cache_features"
 
 
+def _inputs(config: TrainConfig) -> dict[str, list[str]]:
+    """The inputs the cache must not overlap, by config key."""
+    m, d = config.model, config.data
+    return {"data.train_path": [d.train_path], "data.eval_path": [d.eval_path or ""],
+            "model.target_path": [m.target_path],
+            "model.token_table_path": [m.token_table_path or ""]}
+
+
 def check_output_dir(root: Path, config: TrainConfig) -> None:
     """Refuse a `data.offline_features_dir` overlapping an input or holding foreign files."""
-    m, d = config.model, config.data
-    inputs = {"data.train_path": [d.train_path], "data.eval_path": [d.eval_path or ""],
-              "model.target_path": [m.target_path],
-              "model.token_table_path": [m.token_table_path or ""]}
-    check_replaceable(root, "data.offline_features_dir", MARKER, TOOL, inputs,
+    check_replaceable(root, "data.offline_features_dir", MARKER, TOOL, _inputs(config),
                       is_legacy=_is_legacy_cache)
 
 
@@ -79,7 +88,9 @@ def cache_features(cfg: DictConfig) -> list[Path]:
     if not d.offline_features_dir:
         raise ConfigError("data.offline_features_dir: set where the feature cache goes")
     root = Path(d.offline_features_dir)
-    with lock_output(root, "data.offline_features_dir"):  # one run per cache, before any check
+    # an output over an input is refused before even the lock file is written beside it
+    check_no_overlap(root, "data.offline_features_dir", TOOL, _inputs(config))
+    with lock_output(root, "data.offline_features_dir"):  # one run per cache
         return _cache_features_locked(config, root)
 
 

@@ -52,7 +52,7 @@ from data_prep.sources import is_heldout
 from dspine_train.chat_template import chat_template_fingerprint
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
 from dspine_train.output_lock import OutputLockedError, lock_output
-from dspine_train.owned_dir import check_replaceable, write_marker
+from dspine_train.owned_dir import check_no_overlap, check_replaceable, write_marker
 
 COLUMNS = ("input_ids", "loss_mask", "length")
 REPORT_FILE = "tokenize_report.json"
@@ -171,6 +171,9 @@ def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, output_dir: str 
     (:mod:`dspine_train.output_lock`: a second run into it is refused by name, before it checks
     or writes anything).  ``settings``: those of :func:`_tokenize_locked`.
     """
+    # an output over an input is refused before even the lock file is written beside it
+    check_no_overlap(output_dir, "data.tokenize.output_dir", TOOL,
+                     {"data.tokenize.input_paths": paths, **(settings.get("other_inputs") or {})})
     with lock_output(output_dir, "data.tokenize.output_dir"):
         return _tokenize_locked(paths, tokenizer, output_dir, **settings)
 

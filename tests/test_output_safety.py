@@ -26,10 +26,10 @@ VOCAB = 200
 
 
 # ----------------------------------------------------------------------------- helpers
-def tree(path: Path) -> dict[str, bytes]:
-    """Every file under `path` with its bytes: a directory's exact content."""
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
-            if p.is_file()}
+def tree(path: Path) -> dict[str, bytes | None]:
+    """Every file under `path` with its bytes, and every directory (None): its exact content."""
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None
+            for p in sorted(path.rglob("*"))}
 
 
 def run_python(args: list[str], file_size_limit: int | None = None,
@@ -152,7 +152,7 @@ def test_export_overlapping_its_source_is_refused_and_the_source_survives(world,
     shutil.copytree(world["draft"], source)
     shutil.copy(world["draft"] / "config.json", holder)  # the parent looks like an export too
     before = tree(holder)
-    out = {"parent": holder, "inside": source / "out", "same": source}[where]
+    out = {"parent": holder, "inside": source / "new" / "out", "same": source}[where]
     done = export(source, out)
     one_error_line(done, "OUT_DIR", "overlaps SRC_DIR", str(source))
     assert tree(holder) == before
@@ -425,6 +425,7 @@ def test_training_refuses_a_foreign_final_directory_before_training(tiny_assets,
     one_error_line(done, "output_dir:", str(out / "final"), "not written by the trainer's export")
     assert tree(out / "final") == {"notes.txt": b"not an export\n"}
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert not lock_path(out).exists()  # released as the refused run exited
 
 
 def test_every_process_of_a_launched_run_stops_on_a_held_lock(tiny_assets, tmp_path):

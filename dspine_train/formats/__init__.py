@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_json_atomic
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..output_lock import lock_output
-from ..owned_dir import OwnedDirError, check_replaceable, write_marker
+from ..owned_dir import OwnedDirError, check_no_overlap, check_replaceable, write_marker
 from . import dflash, specforge, speculators
 from .dflash import FormatError
 
@@ -188,15 +188,18 @@ def export_dir(source: str | Path, out: str | Path, fmt: str,
         raise FormatError(f"--format {fmt!r}: not one of {', '.join(FORMATS)}")
     if not (source / "config.json").is_file():
         raise FormatError(f"{source}: no config.json (expected an exported draft directory)")
-    with lock_output(out, "OUT_DIR"):
-        # before any loading: an output over the source (equal, inside or containing it), or
-        # over a directory this tool did not write (a target model, a dataset), is refused
-        try:
-            check_replaceable(out, "OUT_DIR", EXPORT_MARKER, EXPORT_TOOL, {"SRC_DIR": [source]},
+    # before any loading: an output over the source (equal, inside or containing it) is
+    # refused before even the lock file is written beside it; one over a directory this tool
+    # did not write (a target model, a dataset), once no other export can be writing it
+    inputs = {"SRC_DIR": [source]}
+    try:
+        check_no_overlap(out, "OUT_DIR", EXPORT_TOOL, inputs)
+        with lock_output(out, "OUT_DIR"):
+            check_replaceable(out, "OUT_DIR", EXPORT_MARKER, EXPORT_TOOL, inputs,
                               is_legacy=is_draft_export)
-        except OwnedDirError as err:
-            raise FormatError(str(err)) from None
-        return _export_locked(source, out, fmt, verifier)
+            return _export_locked(source, out, fmt, verifier)
+    except OwnedDirError as err:
+        raise FormatError(str(err)) from None
 
 
 def _export_locked(source: Path, out: Path, fmt: str, verifier: str | None) -> Path:

@@ -17,6 +17,7 @@ only (`RANK`); a refused rank 0 exits, and the launcher stops the other ranks.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from pathlib import Path
@@ -91,8 +92,13 @@ class HydraOutputLock(Callback):
             print(f"error: {err}", file=sys.stderr)
             sys.exit(1)
         self.locked = Path(output_dir)
+        # `main` ends a failed run with sys.exit, which skips `on_run_end`: release at exit too
+        atexit.register(self._release)
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._release()
+
+    def _release(self) -> None:
         if self.locked is not None:
             release(self.locked)
             self.locked = None
