@@ -13,13 +13,16 @@ Single process; the cache is ~(n + 1) x H x 2 bytes per token in bf16 (~40 KB fo
 
 `data.offline_features_dir` must not overlap an input (the datasets, the target, the token
 table: equal, inside or containing) and, when it exists, must be a directory this tool wrote
-(marker `.data_prep.cache_features`) or empty; anything else is refused by name. The cache
+(marker `.data_prep.cache_features`) or empty; anything else is refused by name. It is locked
+for the run (a second run into it is refused, naming the first), built beside itself and
+swapped in whole, so a failure (a full disk: one line) leaves the old cache intact. The cache
 records the fingerprints of the target and of the token data (see
 `dspine_train.training.offline_features`), which training checks.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -27,8 +30,15 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data_prep.cli_errors import os_error_line
-from dspine_train.owned_dir import OwnedDirError, check_replaceable, write_marker
+from data_prep.cli_errors import existing_output, os_error_line, write_os_error
+from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from dspine_train.output_lock import OutputLockedError, lock_output
+from dspine_train.owned_dir import (
+    OwnedDirError,
+    check_no_overlap,
+    check_replaceable,
+    write_marker,
+)
 from dspine_train.training.config import (
     ConfigError,
     TrainConfig,
@@ -53,13 +63,17 @@ MARKER = ".data_prep.cache_features"
 TOOL = "data_prep.cache_features"
 
 
+def _inputs(config: TrainConfig) -> dict[str, list[str]]:
+    """The inputs the cache must not overlap, by config key."""
+    m, d = config.model, config.data
+    return {"data.train_path": [d.train_path], "data.eval_path": [d.eval_path or ""],
+            "model.target_path": [m.target_path],
+            "model.token_table_path": [m.token_table_path or ""]}
+
+
 def check_output_dir(root: Path, config: TrainConfig) -> None:
     """Refuse a `data.offline_features_dir` overlapping an input or holding foreign files."""
-    m, d = config.model, config.data
-    inputs = {"data.train_path": [d.train_path], "data.eval_path": [d.eval_path or ""],
-              "model.target_path": [m.target_path],
-              "model.token_table_path": [m.token_table_path or ""]}
-    check_replaceable(root, "data.offline_features_dir", MARKER, TOOL, inputs,
+    check_replaceable(root, "data.offline_features_dir", MARKER, TOOL, _inputs(config),
                       is_legacy=_is_legacy_cache)
 
 
@@ -71,10 +85,19 @@ def _is_legacy_cache(root: Path) -> bool:
 def cache_features(cfg: DictConfig) -> list[Path]:
     """Write the feature cache of every split the recipe trains and evaluates on."""
     config = to_train_config(cfg)
-    m, d = config.model, config.data
+    d = config.data
     if not d.offline_features_dir:
         raise ConfigError("data.offline_features_dir: set where the feature cache goes")
     root = Path(d.offline_features_dir)
+    # an output over an input is refused before even the lock file is written beside it
+    check_no_overlap(root, "data.offline_features_dir", TOOL, _inputs(config))
+    with lock_output(root, "data.offline_features_dir"):  # one run per cache
+        return _cache_features_locked(config, root)
+
+
+def _cache_features_locked(config: TrainConfig, root: Path) -> list[Path]:
+    """`cache_features` once `root` is locked."""
+    m, d = config.model, config.data
     check_output_dir(root, config)
     # the trainer's own input checks: same target layers, same splits (each with an anchor to
     # train on), same errors
@@ -102,15 +125,21 @@ def cache_features(cfg: DictConfig) -> list[Path]:
     # head is cast to float32 once (`target_topk` computes in float32: the same values)
     topk = ((target_head_weights(target)[1].float(), d.target_topk) if d.target_topk > 0
             else None)
-    written = []
-    root.mkdir(parents=True, exist_ok=True)
-    write_marker(root, MARKER, TOOL)
-    for split, batches in datasets:
-        out = root / split
-        identity = cache_identity(m.target_path, layer_ids, d.max_length, batches)
-        write_feature_cache(out, batches, extract, identity, device,
-                            batch_size=max(1, d.batch_size), topk=topk)
-        written.append(out)
+    # The whole cache (every split) is built beside `root` and swapped in at once: a failure
+    # (a full disk) on the last split leaves the old cache whole, not half new.
+    clean_dead_builds(root)
+    build = build_dir(root)
+    try:
+        write_marker(build, MARKER, TOOL)
+        for split, batches in datasets:
+            identity = cache_identity(m.target_path, layer_ids, d.max_length, batches)
+            write_feature_cache(build / split, batches, extract, identity, device,
+                                batch_size=max(1, d.batch_size), topk=topk)
+        replace_dir(build, root)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    written = [root / split for split, _ in datasets]
+    for out in written:
         print(f"wrote {out}")
     return written
 
@@ -118,14 +147,19 @@ def cache_features(cfg: DictConfig) -> list[Path]:
 @hydra.main(config_path=RECIPES, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point; bad input exits 1 with the message."""
+    root = cfg.data.offline_features_dir
+    kept = root if root and existing_output(root) else None  # before anything is written
     try:
         cache_features(cfg)
-    except (ConfigError, TrainingError, OwnedDirError) as err:
+    except (ConfigError, TrainingError, OwnedDirError, OutputLockedError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
-    except OSError as err:
-        where = f"data.offline_features_dir {cfg.data.offline_features_dir}"
-        print(f"error: {os_error_line(err, where)}", file=sys.stderr)
+    except Exception as err:  # a full disk: safetensors' error wraps the OS error
+        os_error = write_os_error(err)
+        if os_error is None:
+            raise
+        where = f"data.offline_features_dir {root}"
+        print(f"error: {os_error_line(os_error, where, kept)}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -14,6 +14,8 @@ and renamed into place)::
 The output directory is replaced only when it carries the marker (or is empty, or holds
 only an older output of this tool); anything else -- the regeneration shards, unrelated files,
 a file, a path overlapping an input -- is refused by name (see :mod:`dspine_train.owned_dir`).
+A run holds :mod:`dspine_train.output_lock` on it: a second run into it is refused by name. A
+failed write (a full disk) is one line saying the old output is intact.
 With ``eval_fraction`` 0 no eval split is written; an eval share that leaves either split
 empty is an error naming ``data.tokenize.eval_fraction``.
 
@@ -40,7 +42,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from data_prep.cli_errors import os_error_line
+from data_prep.cli_errors import existing_output, os_error_line, write_os_error
 from data_prep.config import RECIPES_PATH, DataConfig, TokenizeConfig, Truncation, to_data_config
 from data_prep.loss_mask import TemplateError, end_of_turn_token, longest_run, tokenize_conversation
 from data_prep.readers import read_rows
@@ -49,7 +51,8 @@ from data_prep.shards import shard_paths
 from data_prep.sources import is_heldout
 from dspine_train.chat_template import chat_template_fingerprint
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
-from dspine_train.owned_dir import check_replaceable, write_marker
+from dspine_train.output_lock import OutputLockedError, lock_output
+from dspine_train.owned_dir import check_no_overlap, check_replaceable, write_marker
 
 COLUMNS = ("input_ids", "loss_mask", "length")
 REPORT_FILE = "tokenize_report.json"
@@ -159,18 +162,30 @@ def _conversations(paths: tuple[str, ...], log: _ReadLog) -> Iterator[dict[str, 
                                 for m in row["messages"]]}
 
 
-def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, output_dir: str | Path, *,
+def tokenize_files(paths: Sequence[str | Path], tokenizer: Any, output_dir: str | Path,
+                   **settings: Any) -> dict[str, Any]:
+    """Tokenise conversation files into ``output_dir``; return the report (also saved there).
+
+    This is the function the trainer can call directly; the CLI wraps it.  ``output_dir``
+    must be one this tool may replace (module docstring) and is locked for the run
+    (:mod:`dspine_train.output_lock`: a second run into it is refused by name, before it checks
+    or writes anything).  ``settings``: those of :func:`_tokenize_locked`.
+    """
+    # an output over an input is refused before even the lock file is written beside it
+    check_no_overlap(output_dir, "data.tokenize.output_dir", TOOL,
+                     {"data.tokenize.input_paths": paths, **(settings.get("other_inputs") or {})})
+    with lock_output(output_dir, "data.tokenize.output_dir"):
+        return _tokenize_locked(paths, tokenizer, output_dir, **settings)
+
+
+def _tokenize_locked(paths: Sequence[str | Path], tokenizer: Any, output_dir: str | Path, *,
                    max_length: int = 2048, truncation: Truncation = Truncation.right,
                    min_supervised_run: int = 2, eval_fraction: float = 0.02, seed: int = 0,
                    num_proc: int = 1, chat_template_kwargs: Mapping[str, Any] | None = None,
                    other_inputs: Mapping[str, Sequence[str | Path]] | None = None,
                    ) -> dict[str, Any]:
-    """Tokenise conversation files into ``output_dir``; return the report (also saved there).
-
-    This is the function the trainer can call directly; the CLI wraps it.  ``output_dir``
-    must be one this tool may replace (module docstring); ``other_inputs`` (config key ->
-    paths) are refused as outputs too.
-    """
+    """:func:`tokenize_files` once ``output_dir`` is locked; ``other_inputs`` (config key ->
+    paths) are refused as outputs too."""
     from datasets import Dataset, DatasetDict
     from datasets.exceptions import DatasetGenerationError
 
@@ -300,15 +315,20 @@ def run_tokenize(data: DataConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> None:
     """CLI: tokenise the configured conversations and print the summary."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    output_dir = cfg.data.tokenize.output_dir
+    kept = output_dir if existing_output(output_dir) else None  # before anything is written
     try:
         data = to_data_config(cfg.data)
         report = run_tokenize(data)
-    except (DataError, ValueError) as error:
+    except (DataError, ValueError, OutputLockedError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
-    except OSError as error:
-        where = f"data.tokenize.output_dir {cfg.data.tokenize.output_dir}"
-        print(f"error: {os_error_line(error, where)}", file=sys.stderr)
+    except Exception as error:  # a full disk: datasets wraps the OSError of a failed write
+        os_error = write_os_error(error)
+        if os_error is None:
+            raise
+        where = f"data.tokenize.output_dir {output_dir}"
+        print(f"error: {os_error_line(os_error, where, kept)}", file=sys.stderr)
         sys.exit(1)
     summary = {key: report[key] for key in ("input_rows", "kept", "dropped", "train_rows",
                                              "eval_rows", "truncated_rows", "drop_reasons")}

@@ -9,8 +9,11 @@ writes this project's own export (which also carries the DFlash keys, under its 
 DSpine draft only). `--format speculators` writes vLLM's own format (what the `speculators`
 package writes; `vllm serve OUT_DIR` detects it), for a DFlash draft too; it names the target
 model, `--verifier` or by default the path the draft was trained against. SRC_DIR may be a
-dspine, dflash or specforge export. OUT_DIR is built beside itself and swapped in whole. A bad
-argument or an unconvertible draft is reported in one line, exit status 2.
+dspine, dflash or specforge export. OUT_DIR is built beside itself and swapped in whole; it must
+be new, empty or an export (it is never a target model, a dataset, or a directory overlapping
+SRC_DIR), and is locked for the run. A bad argument, an unconvertible draft, a refused OUT_DIR
+or one in use by another export is reported in one line, exit status 2; a failed write (a full
+disk) in one line saying the old OUT_DIR is intact, exit status 1.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import sys
 
 import transformers
 
+from data_prep.cli_errors import existing_output, os_error_line, write_os_error
 from dspine_train.formats import FORMATS, FormatError, export_dir
+from dspine_train.output_lock import OutputLockedError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +48,18 @@ def main(argv: list[str] | None = None) -> int:
               f"--format {args.fmt}", file=sys.stderr)
         return 2
     transformers.utils.logging.disable_progress_bar()  # one line of output, not a loading bar
+    kept = args.out if existing_output(args.out) else None
     try:
         out = export_dir(args.source, args.out, args.fmt, verifier=args.verifier)
-    except FormatError as err:
+    except (FormatError, OutputLockedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a full disk: safetensors' error wraps the OS error
+        os_error = write_os_error(err)
+        if os_error is None:
+            raise
+        print(f"error: {os_error_line(os_error, f'OUT_DIR {args.out}', kept)}", file=sys.stderr)
+        return 1
     print(f"wrote {args.fmt} draft to {out}")
     return 0
 

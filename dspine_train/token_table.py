@@ -36,9 +36,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from dspine_train.checkpoint_io import SafetensorsWeights, write_atomic
-from dspine_train.writable import output_problem
+from dspine_train.owned_dir import check_output_file
+from dspine_train.writable import output_file_problem
 
 FORMAT_NAME = "dspine-token-table"
+TOOL = "dspine_train.token_table"
 FORMAT_VERSION = "1"
 METHODS = ("covariance", "pca")
 DEFAULT_MAX_TRANSFER_DIM = 1024
@@ -485,6 +487,7 @@ def build_from_config(cfg: TokenTableConfig, *, progress: bool = False) -> Token
     out = Path(cfg.out)
     if out.is_dir():
         raise ValueError(f"out={out} is a directory; give a .safetensors file path")
+    check_output_file(out, "out", TOOL, {"target": [cfg.target]}, is_own=is_token_table_file)
     target = Path(cfg.target)
     weight, tensor_name = _read_head_weight(target)
     vocab, hidden = weight.shape
@@ -504,13 +507,24 @@ def build_from_config(cfg: TokenTableConfig, *, progress: bool = False) -> Token
     return table
 
 
+def is_token_table_file(path: Path) -> bool:
+    """Whether ``path`` is a token table this module wrote (its ``format`` metadata)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT_NAME
+    except (SafetensorError, OSError):
+        return False
+
+
 def _argument_problem(args: argparse.Namespace) -> str | None:
     """The first flag value the CLI can reject before reading the target, naming the flag."""
     if args.transfer_dim is not None and args.transfer_dim < 1:
         return f"--transfer-dim must be >= 1, got {args.transfer_dim}"
     if args.chunk_size < 1:
         return f"--chunk-size must be >= 1, got {args.chunk_size}"
-    return output_problem(args.out, "--out")
+    # not over the target (T/model.safetensors are its weights), nor over a foreign file
+    return output_file_problem(args.out, "--out", TOOL, {"--target": [args.target]},
+                               is_own=is_token_table_file)
 
 
 def main(argv: list[str] | None = None) -> int:

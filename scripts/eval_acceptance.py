@@ -26,6 +26,7 @@ warnings when they differ by more than 2 SE; writes ``parity.json`` and ``parity
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from dspine_train.engine.errors import (
     IncompatibleDraftError,
 )
 from dspine_train.eval_harness import (
+    RESULTS_FORMAT,
     BenchmarkError,
     BenchResult,
     evaluate,
@@ -44,6 +46,8 @@ from dspine_train.eval_harness import (
     results_markdown,
     save_results,
 )
+from dspine_train.output_lock import OutputLockedError, lock_output
+from dspine_train.owned_dir import OwnedDirError, check_no_overlap
 
 EXIT_BAD_INPUT = 1
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -156,13 +160,55 @@ def run_parity_mode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_own_results(path: Path) -> bool:
+    """Whether `path` is a results file this script wrote (`save_results`' format)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("format") == RESULTS_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def out_problem(args: argparse.Namespace) -> str | None:
+    """Why `--out` may not be written, checked before any model is loaded: a file, a directory
+    overlapping an input (inside a draft export, which `push_to_hub` would upload with the
+    results; the target; a benchmark file; `--data`), or one whose results.json this script
+    did not write. None when it may."""
+    out = args.out
+    if out.exists() and not out.is_dir():
+        return (f"--out {out}: exists and is not a directory (results.json, results.md and "
+                "acceptance.png are written into it); give a directory")
+    benches = [Path(b.strip()) for b in args.bench.split(",") if b.strip()]
+    inputs = {"--target": [args.target], "--draft": [path for _, path in args.draft],
+              "--bench": [path for path in benches if path.exists()], "--data": [args.data]}
+    try:
+        check_no_overlap(out, "--out", "eval_acceptance.py", inputs)
+    except OwnedDirError as err:
+        return str(err)
+    results = out / "results.json"
+    if not args.parity and results.exists() and not _is_own_results(results):
+        return (f"--out {out}: {results.name} there was not written by eval_acceptance.py; "
+                "refusing to replace it -- choose another directory")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
+    """Entry point; returns the exit status. `--out` is checked, then held for the run
+    (`dspine_train.output_lock`: a second evaluation into it is refused by name)."""
     args = build_parser().parse_args(argv)
-    problem = argument_problem(args)
+    problem = argument_problem(args) or out_problem(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    try:
+        with lock_output(args.out, "--out"):
+            return run(args)
+    except OutputLockedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def run(args: argparse.Namespace) -> int:
+    """The evaluation (or `--parity`) of the parsed `args`, into the locked `--out`."""
     if args.parity:
         return run_parity_mode(args)
     if args.max_new_tokens is None:

@@ -125,8 +125,9 @@ def test_dflash_export_holds_the_backbone_only(world):
     assert keys and all(k.split(".")[0] in ("fc", "hidden_norm", "layers", "norm") for k in keys)
     full = set(load_file(root / "ours" / "model.safetensors"))
     assert full - keys == {k for k in full if k.startswith(("injection.", "token_codes"))}
+    # plus the export's marker (a dot file: neither loaded nor uploaded)
     assert sorted(p.name for p in (root / "ours_dflash").iterdir()) == [
-        "config.json", "model.safetensors"]
+        ".dspine_train.export", "config.json", "model.safetensors"]
 
 
 def test_dspine_draft_is_refused_for_the_dflash_format(world, capsys):

@@ -138,8 +138,8 @@ def test_the_keys_vllm_detects_are_the_ones_speculators_writes(world, tmp_path):
         "name_or_path": str(root / "target"), "architectures": ["Qwen3ForCausalLM"]}
     assert fields["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
     assert fields["transformer_layer_config"]["num_hidden_layers"] == 2
-    assert sorted(p.name for p in (root / "spec").iterdir()) == ["config.json",
-                                                                 "model.safetensors"]
+    assert sorted(p.name for p in (root / "spec").iterdir()) == [
+        ".dspine_train.export", "config.json", "model.safetensors"]  # the marker: a dot file
     # its config class parses ours and writes it back as it was
     DFlashSpeculatorConfig.from_pretrained(str(root / "spec")).save_pretrained(tmp_path / "cfg")
     written = json.loads((tmp_path / "cfg" / "config.json").read_text())

@@ -31,7 +31,7 @@ from dspine_train.engine.errors import (
 )
 from dspine_train.engine.prompts import read_prompts, utf8_problem
 from dspine_train.engine.stats import GenerationStats, sum_stats
-from dspine_train.writable import output_problem
+from dspine_train.writable import output_file_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -177,6 +177,24 @@ def _write_output(path: Path, report: dict) -> str | None:
     return None
 
 
+def _is_engine_output(path: Path) -> bool:
+    """Whether `path` is a results file this CLI wrote (a JSON object of results and stats)."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and set(report) == {"results", "stats"}
+
+
+def _output_problem(args: argparse.Namespace) -> str | None:
+    """Why `--output` may not be written: unwritable, inside (or equal to) an input -- the
+    draft's weights, the prompts -- or an existing file this CLI did not write; else None."""
+    inputs = {"--target": [args.target], "--draft": [args.draft], "--prompts": [args.prompts],
+              "--tokenizer": [args.tokenizer]}
+    return output_file_problem(args.output, "--output", "the engine", inputs,
+                               is_own=_is_engine_output)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m dspine_train.engine`; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -213,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_argument_problem(args)
         or _generation_argument_problem(args)
         or _prompts_file_problem(Path(args.prompts))
-        or (output_problem(args.output, "--output") if args.output else None)
+        or (_output_problem(args) if args.output else None)
     )
     if problem:
         print(f"error: {problem}", file=sys.stderr)

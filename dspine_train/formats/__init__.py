@@ -33,6 +33,8 @@ from safetensors.torch import save_file
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_json_atomic
 from ..modeling import DSpineConfig, DSpineDraftModel
+from ..output_lock import lock_output
+from ..owned_dir import OwnedDirError, check_no_overlap, check_replaceable, write_marker
 from . import dflash, specforge, speculators
 from .dflash import FormatError
 
@@ -43,11 +45,35 @@ SIDE_FILES = {"dspine": ("token_table.safetensors", "training_info.json"),
               "dflash": ("training_info.json",),
               "specforge": ("training_info.json",),
               "speculators": ("training_info.json",)}
+# The marker of an export directory written here (the CLI and the trainer): only such a
+# directory, an empty one, or a marker-less export of these files alone is replaced. A dot
+# file, so `push_to_hub` leaves it out of the upload.
+EXPORT_MARKER = ".dspine_train.export"
+EXPORT_TOOL = "dspine_train.export"
+# What a draft export holds (an older one carries no marker); push_to_hub adds README.md (its
+# card) and reads eval_results.json.
+EXPORT_FILES = {"config.json", WEIGHTS_FILE, "token_table.safetensors", "training_info.json",
+                "eval_results.json", "README.md"}
 # DFlash's own keys (the `dflash_config` block) are not repeated in `dspine_config`.
 _DFLASH_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
 
-__all__ = ["FORMATS", "FormatError", "dspine_blocks", "export_dir", "import_dflash",
-           "load_draft", "readable_format", "write_format"]
+__all__ = ["EXPORT_MARKER", "FORMATS", "FormatError", "dspine_blocks", "export_dir",
+           "import_dflash", "is_draft_export", "load_draft", "readable_format", "write_format"]
+
+
+def is_draft_export(directory: Path) -> bool:
+    """Whether `directory` holds a draft export and nothing else (one written before exports
+    carried `EXPORT_MARKER`): only `EXPORT_FILES`, and a `config.json` of a draft, not of a
+    target model (whose tokenizer and generation files are not export files either)."""
+    if not {entry.name for entry in directory.iterdir()} <= EXPORT_FILES:
+        return False
+    try:
+        fields = dflash.read_config(directory)
+    except FormatError:
+        return False
+    return isinstance(fields, dict) and (
+        fields.get("model_type") == DSpineConfig.model_type or dflash.is_dflash_config(fields)
+        or specforge.is_specforge_config(fields) or speculators.is_speculators_config(fields))
 
 
 def dspine_blocks(config: DSpineConfig) -> dict[str, Any]:
@@ -152,18 +178,32 @@ def export_dir(source: str | Path, out: str | Path, fmt: str,
     (`verifier`: see `write_format`).
 
     `out` is built beside itself and swapped in whole: it is never half-written, and an
-    existing export there is replaced only once the new one is complete. Returns `out`.
+    existing export there is replaced only once the new one is complete. It is locked for the
+    run (`output_lock`: a second export into it is refused, naming the first) and must be empty,
+    missing, or an export (`EXPORT_MARKER` or `is_draft_export`), and must not overlap
+    `source`; all checked before the draft is read (`FormatError`). Returns `out`.
     """
     source, out = Path(source), Path(out)
     if fmt not in FORMATS:
         raise FormatError(f"--format {fmt!r}: not one of {', '.join(FORMATS)}")
     if not (source / "config.json").is_file():
         raise FormatError(f"{source}: no config.json (expected an exported draft directory)")
-    if out.resolve() == source.resolve():
-        raise FormatError(f"{out}: the output directory is the source; write to another one")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir())
-                                                and not (out / "config.json").is_file())):
-        raise FormatError(f"{out}: exists and is not a draft export; refusing to replace it")
+    # before any loading: an output over the source (equal, inside or containing it) is
+    # refused before even the lock file is written beside it; one over a directory this tool
+    # did not write (a target model, a dataset), once no other export can be writing it
+    inputs = {"SRC_DIR": [source]}
+    try:
+        check_no_overlap(out, "OUT_DIR", EXPORT_TOOL, inputs)
+        with lock_output(out, "OUT_DIR"):
+            check_replaceable(out, "OUT_DIR", EXPORT_MARKER, EXPORT_TOOL, inputs,
+                              is_legacy=is_draft_export)
+            return _export_locked(source, out, fmt, verifier)
+    except OwnedDirError as err:
+        raise FormatError(str(err)) from None
+
+
+def _export_locked(source: Path, out: Path, fmt: str, verifier: str | None) -> Path:
+    """`export_dir` once `out` is locked and checked."""
     try:
         fields = dflash.read_config(source)
         if fmt in ("dflash", "speculators") and not dflash.is_dflash_config(fields):
@@ -181,6 +221,7 @@ def export_dir(source: str | Path, out: str | Path, fmt: str,
         for name in SIDE_FILES[fmt]:
             if (source / name).is_file():
                 shutil.copyfile(source / name, tmp / name)
+        write_marker(tmp, EXPORT_MARKER, EXPORT_TOOL)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

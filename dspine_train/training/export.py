@@ -20,11 +20,25 @@ from accelerate import Accelerator
 from torch import nn
 
 from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir
-from ..formats import write_format
+from ..formats import EXPORT_MARKER, is_draft_export, write_format
+from ..owned_dir import OwnedDirError, check_replaceable, write_marker
+from .errors import TrainingError
 
 DRAFT_PREFIX = "draft."
 TOKEN_TABLE_FILE = "token_table.safetensors"
 INFO_FILE = "training_info.json"
+
+
+def check_export_dirs(output_dir: Path, names: tuple[str, ...] = ("final", "best")) -> None:
+    """Refuse, before training, an export directory of the run (`output_dir/final`, `best`)
+    that `export_draft` would replace at the end but that holds something other than an export
+    (the marker, or an older export's files alone): `TrainingError` naming it."""
+    for name in names:
+        try:
+            check_replaceable(output_dir / name, "output_dir", EXPORT_MARKER, "the trainer's export",
+                              {}, is_legacy=is_draft_export)
+        except OwnedDirError as err:
+            raise TrainingError(str(err)) from None
 
 
 def export_draft(
@@ -54,6 +68,8 @@ def export_draft(
         if fmt == "dspine":  # the DFlash format has no token codes
             shutil.copyfile(token_table_path, tmp / TOKEN_TABLE_FILE)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str))
+        # the same marker as `python -m dspine_train.export`: either may replace this export
+        write_marker(tmp, EXPORT_MARKER, "the trainer's export")
         replace_dir(tmp, out_dir)  # no moment without a whole export at out_dir
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

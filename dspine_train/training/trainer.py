@@ -49,11 +49,12 @@ from .evaluation import (
     simulated_block_accepts,
     stats_from_counts,
 )
-from .export import export_draft
+from .export import check_export_dirs, export_draft
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity
 from .optimizer import build_optimizer
 from .plots import plot_training
+from .run_lock import lock_run_outputs, release_run_outputs
 from .target import (
     TargetFeatureExtractor,
     TargetFeatures,
@@ -98,6 +99,18 @@ class Trainer:
         self.is_main = acc.is_main_process
         self.world = acc.num_processes
         self.rank = acc.process_index
+        # One run per output directory, locked before anything below writes or prunes there.
+        self._locked = lock_run_outputs(config, acc)
+        try:
+            self._setup_run()
+        except BaseException:
+            release_run_outputs(self._locked)
+            raise
+
+    def _setup_run(self) -> None:
+        """Everything `__init__` builds once the output directories are locked."""
+        config, acc = self.config, self.accelerator
+        check_export_dirs(self.output_dir)  # final/ and best/ are replaced at the end
         # The checkpoint directory is checked before any weights exist: a fresh run must not
         # prune another run's checkpoints, a resume must find this run's (`checkpointing`).
         ckpt_root = Path(config.checkpoint.dir or self.output_dir / "checkpoints")
@@ -329,7 +342,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainResult:
-        """Run to `total_steps`, evaluating, checkpointing, logging; export and plot at the end."""
+        """Run to `total_steps`, evaluating, checkpointing, logging; export and plot at the end.
+        The output directories stay locked until it returns."""
+        try:
+            return self._train()
+        finally:
+            release_run_outputs(self._locked)
+            self._locked = []
+
+    def _train(self) -> TrainResult:
         cfg, acc, state = self.config, self.accelerator, self.state
         log = MetricsLog(
             self.output_dir, self.is_main, cfg.logging.wandb, cfg.logging.project,
