@@ -1,4 +1,4 @@
-"""The DSpine training objective (SPEC 2.3), computed in chunks over supervised slots.
+"""The DSpine training objective (METHOD 2.3), computed in chunks over supervised slots.
 
 Per supervised slot k of a block (weight `w_k = exp(-(k-1)/gamma)`, supervision cut at the first
 unsupervised slot):
@@ -15,7 +15,7 @@ unsupervised slot):
 
 Full-vocabulary logits exist for one chunk of slots at a time, their gradient made in the same
 pass (`vocab_loss`; `reference=True`: recomputed in backward by activation checkpointing), so
-B x S x V is never materialised (SPEC 4).
+B x S x V is never materialised (METHOD 4).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def sample_anchors(
     block_size: int,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random anchor positions per sequence (SPEC 1 "Training").
+    """Random anchor positions per sequence (METHOD 1 "Training").
 
     An anchor a is valid where `loss_mask[a]` and `loss_mask[a+1]` are both 1. Up to
     `num_anchors` distinct valid anchors are drawn per sequence, sorted; the result has a fixed
@@ -62,10 +62,10 @@ def sample_anchors(
 
 def replacement_probability(step: int, total_steps: int, start: float = 0.5,
                             hold: float = 1 / 6, end: float = 1 / 3) -> float:
-    """Share of blocks whose first layers hear the true predecessor (SPEC 2.2 curriculum).
+    """Share of blocks whose first layers hear the true predecessor (METHOD 2.2 curriculum).
 
     `start` for the first `hold` of training, then linearly down to 0 at `end` (shares of
-    `total_steps`; SPEC: 0.5, 1/6, 1/3).
+    `total_steps`; METHOD 2.2: 0.5, 1/6, 1/3).
     """
     if total_steps <= 0:
         return 0.0
@@ -183,7 +183,7 @@ def dspine_loss(
     target_topk: tuple[torch.Tensor, ...] | None = None,
     reference: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The SPEC 2.3 objective for one training forward; returns (loss, detached metrics).
+    """The METHOD 2.3 objective for one training forward; returns (loss, detached metrics).
 
     target_final_hidden (B, S, H): the target's final normed hidden states; the target's
     distribution for slot k of anchor a is softmax(lm_head(target_final_hidden[a + k - 1])).
@@ -296,7 +296,7 @@ def dspine_loss(
         # every metric on the loss's device: the trainer stacks them for one reduction
         metrics["alignment_beta"] = torch.full((), beta, device=loss.device)
 
-    # --- ablation: full-vocabulary CE on intermediate layers (hurts acceptance, SPEC 2.3)
+    # --- ablation: full-vocabulary CE on intermediate layers (hurts acceptance, METHOD 2.3)
     if cfg.token_ce_intermediate and out.layer_hidden:
         inter = []
         for layer_out in out.layer_hidden[:-1]:

@@ -152,7 +152,7 @@ def test_variant_switches_reach_training(smoke: tuple[Path, dict]) -> None:
         for term in ("backbone_ce", "backbone_l1", "refine_ce", "refine_l1",
                      "candidate_coverage", "supervised_slots"):
             assert row[term] == full[term], term
-    # dspine's loss = dspine_no_cosine's + beta * CE * alignment (SPEC 2.3)
+    # dspine's loss = dspine_no_cosine's + beta * CE * alignment (METHOD 2.3)
     alignment = full["alignment_beta"] * full["backbone_ce"] * full["alignment"]
     assert alignment > 0.1
     assert full["loss"] - no_cos["loss"] == pytest.approx(alignment, rel=1e-5)

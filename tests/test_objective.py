@@ -1,4 +1,4 @@
-"""The DSpine objective (SPEC 2.3): weights, anchors, curriculum, chunking, switches, learning."""
+"""The DSpine objective (METHOD 2.3): weights, anchors, curriculum, chunking, switches, learning."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_chunked_loss_and_gradients_equal_unchunked(target):
 
 
 def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, out, step):
-    """SPEC 2.3 written out slot by slot, from the forward's raw states, not from the objective.
+    """METHOD 2.3 written out slot by slot, from the forward's raw states, not from the objective.
 
     For block j of sequence b anchored at a, slot k predicts ids[b, a+k]; it is supervised while
     loss_mask[b, a+1..a+k] are all 1 (weight exp(-(k-1)/gamma)); p_target is the target's own
@@ -144,7 +144,7 @@ def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, ou
                 add("top1_acc", int(logits.argmax()) == label, 1.0)
                 cand = torch.topk(logits, cfg.candidate_k).indices.tolist()
                 add("candidate_coverage", label in cand, 1.0)
-                # last-write refinement with the true predecessor, by hand (SPEC 2.2 / 2.4)
+                # last-write refinement with the true predecessor, by hand (METHOD 2.2 / 2.4)
                 h = out.pre_injection[b, j, k]
                 f_recv = inj.scale * F.normalize(inj.readouts[-1](h), dim=-1)
                 f_pred = inj.scale * draft.token_codes[int(ids[b, pos - 1])]
@@ -163,7 +163,7 @@ def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, ou
                                         draft.token_codes[label], dim=0)
                     for layer, layer_out in enumerate(out.layer_hidden)
                 ]
-                per_layer = 1 - torch.stack(cosines)  # SPEC 2.3: one term per layer, summed
+                per_layer = 1 - torch.stack(cosines)  # METHOD 2.3: one term per layer, summed
                 add("alignment", per_layer.sum() if cfg.alignment_layer_reduction == "sum"
                     else per_layer.mean(), w)
     ref = {name: sums[name] / sums[name + "/w"] for name in sums if not name.endswith("/w")}

@@ -1,4 +1,4 @@
-"""The DSpine draft network (SPEC 1-2.4)."""
+"""The DSpine draft network (METHOD 1-2.4)."""
 
 from .configuration_dspine import DSpineConfig, default_target_layer_ids
 from .context_cache import DraftContextCache

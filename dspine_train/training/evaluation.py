@@ -1,4 +1,4 @@
-"""Simulated acceptance length on held-out data (SPEC 1 "Inference", 2.4).
+"""Simulated acceptance length on held-out data (METHOD 1 "Inference", 2.4).
 
 For a block anchored at a, the draft proposes d_1..d_{B-1} with the real decode (`draft.walk`,
 transition cache included) from the training forward (no replacement). The target's greedy
