@@ -6,7 +6,7 @@ with the evaluation harness (engine-measured tau at each temperature on held-out
 prompts, per-position acceptance) and the trainer's simulated tau, and writes one table as
 markdown, JSON and PNG, with the exact command and git commit.
 
-    python scripts/ablate.py --smoke --out /tmp/ablation_smoke        # tiny random target, ~1 min
+    python scripts/ablate.py --smoke --out /tmp/ablation_smoke        # tiny random target, quick
     python scripts/ablate.py --steps 150 --features artifacts/demo/features \
         --report docs/results/ablation_cpu                   # on the demo's data and features
     python scripts/ablate.py --variants dspine,dspine_no_tcache --steps 300 --set data.num_anchors=64

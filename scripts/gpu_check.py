@@ -1,6 +1,6 @@
-"""GPU check: the CUDA paths of the engine and the trainer, proved in a few minutes.
+"""GPU check: the CUDA paths of the engine and the trainer, proved in one short run.
 
-    python scripts/gpu_check.py --out docs/results/gpu_check           # one H200: < 8 min
+    python scripts/gpu_check.py --out docs/results/gpu_check           # one GPU
     python scripts/gpu_check.py --device cpu --tiny --out /tmp/check   # CI: every step, tiny
     make gpu-check                                                     # the first line
 

@@ -1,4 +1,4 @@
-"""The training study of issue 16: its data, then every variant, in resumable pieces.
+"""The training study (docs/STUDY.md): its data, then every variant, in resumable pieces.
 
     python scripts/study.py data                      # prompts, regeneration, token data
     python scripts/study.py run --steps 1500          # every variant; finished ones skipped

@@ -25,7 +25,7 @@ def train_env() -> dict[str, str]:
     """Environment of a trainer subprocess: offline, the shared DeepSpeed op build, no wandb."""
     env = dict(os.environ)
     env.update(
-        # DeepSpeed JIT-builds a CPU comm op (~1 min); the Makefile keeps it here, built once.
+        # DeepSpeed JIT-builds a CPU comm op (slow); the Makefile keeps it here, built once.
         TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
@@ -103,7 +103,7 @@ def single_thread() -> Iterator[None]:
 
 def build_tiny_assets(root: Path) -> dict[str, Path]:
     """The tiny random target and the dataset sampled from it (as the tiny recipe writes them),
-    plus where the token table is cached; a few seconds on one thread."""
+    plus where the token table is cached; quick on one thread."""
     target, data = root / "target", root / "data"
     with single_thread():
         write_tiny_target(target, seed=0)

@@ -21,7 +21,7 @@ import torch
 from dspine_train.ablation.runner import BUDGET_KEYS
 from dspine_train.ablation.variants import VARIANTS, select_variants
 
-# The smoke study (one module fixture) trains and evaluates five variants: minutes on 2 cores.
+# The smoke study (one module fixture) trains and evaluates five variants: slow on a CPU.
 SLOW = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def run_ablate(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """`python scripts/ablate.py <args>` from the repo root, offline, output captured.
 
     The timeout only guards against a hang: in a fresh clone the smoke study also JIT-builds
-    DeepSpeed's CPU op first (minutes on 2 busy cores).
+    DeepSpeed's CPU op first, which takes a while.
     """
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
@@ -329,7 +329,7 @@ def test_unknown_variant_is_rejected(capsys: pytest.CaptureFixture[str]) -> None
 def test_a_foreign_folder_of_a_derived_variant_is_refused_before_training(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A derived variant's folder holding another run is neither replaced nor written into,
-    and the refusal comes before any variant trains (issue 32)."""
+    and the refusal comes before any variant trains."""
     from dspine_train.ablation import runner
 
     ran: list = []

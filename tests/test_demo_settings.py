@@ -1,4 +1,4 @@
-"""The demo's training settings (issue 16, part 4). `--dtype`: one setting for the target's
+"""The demo's training settings. `--dtype`: one setting for the target's
 answers, its cached features and the draft's training precision; `auto` picks bfloat16 only
 where the CPU computes it natively. `--draft-vocab-size`: the pruned draft vocabulary."""
 

@@ -1,4 +1,4 @@
-"""The method's settings are config fields (issue 16, section 2): each one changes the loss.
+"""The method's settings are config fields: each one changes the loss.
 
 METHOD 2.2 / 2.3 settings (curriculum share, hold, end and layers; alignment warm-up and its sum
 over layers; c, gamma, K) and the options where this project and SpecForge differ

@@ -436,7 +436,7 @@ def test_steps_refuses_batches_it_would_not_time(tmp_path: Path) -> None:
         time_steps(tiny_settings(tmp_path), [StudyVariant("dspine", "")], tmp_path, 3, 2)
 
 
-# ------------------------------------------------------------------ issue 32: foreign folders
+# ------------------------------------------------------------------ foreign folders
 def _no_work(monkeypatch: pytest.MonkeyPatch) -> list:
     """Fakes for everything `run_study` runs; the returned list records what it ran."""
     ran: list = []

@@ -1,4 +1,4 @@
-"""Running the training study (issue 16, section 3) in resumable pieces.
+"""Running the training study in resumable pieces.
 
 Layout of a study directory `<out>/` (`artifacts/study/run` by default):
 

@@ -1,4 +1,4 @@
-"""The study's data (issue 16, section 3): prompts, the target's answers, token data, held-out sets.
+"""The study's data : prompts, the target's answers, token data, held-out sets.
 
 Layout of a study data directory `<data>/` (`artifacts/study/data` by default):
 
@@ -14,7 +14,7 @@ Layout of a study data directory `<data>/` (`artifacts/study/data` by default):
     meta.json                  settings (dtype of the regeneration included) and wall time of
                                every stage
 
-The target's answers are the expensive part (52 minutes on 2 cores) and a working session keeps
+The target's answers are the expensive part of the data and a working session keeps
 nothing but what is committed, so each finished part is also packed into an *answers archive*
 (`<answers_dir>/<part>.jsonl.gz` + `manifest.json`, committed under `docs/results/`). A later
 run on a fresh checkout restores the answers from it instead of regenerating them, after

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless
 import matplotlib.pyplot as plt  # noqa: E402
 
-# The aim of issue 16: DSpine's held-out simulated tau and its ratio to the DFlash baseline.
+# The study's aim: DSpine's held-out simulated tau and its ratio to the DFlash baseline.
 AIM_TAU = 1.6
 AIM_RATIO = 1.25
 
