@@ -292,7 +292,7 @@ def _compose(*overrides: str):
 
 
 def test_the_published_qwen3_8b_draft_fits_the_qwen3_8b_recipe(tmp_path):
-    """The README's warm-start line, planned from configs only: the recipe leaves the structure
+    """docs/TRAINING.md's warm-start line, planned from configs only: the recipe leaves the structure
     to the checkpoint and trains DSpine; the 4B recipe refuses the 8B draft by name."""
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_8B))
     draft = plan_draft_config(_compose("recipe=qwen3_8b", f"model.init_from={tmp_path}"))
