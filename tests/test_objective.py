@@ -183,12 +183,19 @@ def _forward_for_reference(draft, target, ids, loss_mask, seed=0):
     return final, anchors, mask, out
 
 
-def test_objective_equals_a_slot_by_slot_computation_of_the_spec(target):
+SETTINGS = [{}, {"ce_weight": 0.6}, {"loss_gamma": 1.5}, {"candidate_k": 3},
+            {"alignment_warmup_steps": 400}, {"alignment_layer_reduction": "mean"}]
+
+
+@pytest.mark.parametrize("fields", SETTINGS, ids=[",".join(f) or "defaults" for f in SETTINGS])
+def test_objective_equals_a_slot_by_slot_computation_of_the_spec(target, fields):
     """Labels, p_target positions, supervision cuts, refinement and alignment features, each
-    checked against `_reference_objective` (not against the metrics the objective returns)."""
+    checked against `_reference_objective` (not against the metrics the objective returns),
+    at the defaults and with each objective setting moved: c, gamma, K, the alignment's
+    warm-up (beta at step 200 of 400) and its reduction over layers."""
     ids, loss_mask = _batch()
     loss_mask[0, 14] = loss_mask[1, 10] = 0  # one-token gaps: blocks that run over them are cut
-    draft = tiny_draft(target)
+    draft = tiny_draft(target, **fields)
     randomise_injection(draft)
     final, anchors, mask, out = _forward_for_reference(draft, target, ids, loss_mask)
     loss, metrics = dspine_loss(draft, out, final, loss_mask, anchors, mask, step=200)

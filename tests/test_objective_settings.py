@@ -89,43 +89,8 @@ def test_defaults_are_the_specs() -> None:
 
 
 # ------------------------------------------------------------------ METHOD 2.3 weights
-def test_ce_weight_changes_the_loss(target, batch) -> None:
-    low, m_low = _loss(_draft(target, ce_weight=0.1), target, batch)
-    high, m_high = _loss(_draft(target, ce_weight=0.6), target, batch)
-    torch.testing.assert_close(m_low["backbone_ce"], m_high["backbone_ce"])  # same network
-    assert _differs(low, high)
-
-
-def test_loss_gamma_changes_the_loss(target, batch) -> None:
-    slow, _ = _loss(_draft(target, loss_gamma=7.0), target, batch)
-    fast, _ = _loss(_draft(target, loss_gamma=1.5), target, batch)
-    assert _differs(slow, fast)
-
-
-def test_candidate_k_changes_the_loss(target, batch) -> None:
-    wide, m_wide = _loss(_draft(target, candidate_k=6), target, batch)
-    narrow, m_narrow = _loss(_draft(target, candidate_k=2), target, batch)
-    assert m_narrow["candidate_coverage"] <= m_wide["candidate_coverage"]
-    assert _differs(m_wide["refine_l1"], m_narrow["refine_l1"])  # over other candidates
-    assert _differs(wide, narrow)
-
-
-def test_alignment_warmup_steps_change_the_loss(target, batch) -> None:
-    long, m_long = _loss(_draft(target, alignment_warmup_steps=150), target, batch, step=15)
-    short, m_short = _loss(_draft(target, alignment_warmup_steps=30), target, batch, step=15)
-    assert float(m_long["alignment_beta"]) == pytest.approx(0.05)
-    assert float(m_short["alignment_beta"]) == pytest.approx(0.25)
-    assert _differs(long, short)
-
-
-def test_alignment_is_summed_over_layers_or_averaged(target, batch) -> None:
-    """METHOD 2.3 (and SpecForge): `1 - cos` for every layer, summed; "mean" divides it by N."""
-    summed, m_sum = _loss(_draft(target, alignment_layer_reduction="sum"), target, batch)
-    mean, m_mean = _loss(_draft(target, alignment_layer_reduction="mean"), target, batch)
-    layers = tiny_draft(target).config.num_layers
-    torch.testing.assert_close(m_sum["alignment"], layers * m_mean["alignment"])
-    beta_ce = m_sum["alignment_beta"] * m_sum["backbone_ce"]
-    torch.testing.assert_close(summed - mean, beta_ce * (m_sum["alignment"] - m_mean["alignment"]))
+# c, gamma, K, the alignment's warm-up and its reduction over layers: each checked exactly
+# against the slot-by-slot reference (tests/test_objective.py, SETTINGS).
 
 
 def test_refinement_normalisation_covered_or_supervised(target, batch) -> None:
