@@ -155,7 +155,7 @@ def test_feature_cache_stores_the_topk_and_reads_it_back(tiny_assets, tmp_path: 
 
 def test_bench_recipe_mode_times_the_paths_side_by_side(tiny_assets, tmp_path: Path):
     """`bench_train.py --recipe`: every path's ratio to the old one and its time split."""
-    from dspine_train.training.step_profile import PARTS
+    from scripts.tools.bench.step_profile import PARTS
     from tests._train_helpers import check_ok, run_module, tiny_overrides
 
     features = tmp_path / "features"

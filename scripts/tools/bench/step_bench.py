@@ -21,22 +21,24 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from ..modeling import DSpineDraftModel
-from ..objective import dspine_loss, sample_anchors
-from ..vocab_loss import target_topk
-from .config import TrainConfig, register_configs, to_train_config
-from .data import BatchStream, TokenBatches
-from .draft_builder import build_draft, load_or_build_token_table
-from .draft_step import DraftStep
-from .draft_vocab import prune_draft_vocab, tokenizer_or_none
-from .evaluation import batch_generator
-from .inputs import check_inputs
-from .offline_features import OfflineFeatures, cache_identity
-from .planning import plan_draft_config
-from .step_profile import PARTS, StepProfile, describe_plan, flop_plan
-from .target import TargetFeatures, read_embedding_and_head
+from dspine_train.modeling import DSpineDraftModel
+from dspine_train.objective import dspine_loss, sample_anchors
+from dspine_train.training.config import TrainConfig, register_configs, to_train_config
+from dspine_train.training.data import BatchStream, TokenBatches
+from dspine_train.training.draft_builder import build_draft, load_or_build_token_table
+from dspine_train.training.draft_step import DraftStep
+from dspine_train.training.draft_vocab import prune_draft_vocab, tokenizer_or_none
+from dspine_train.training.evaluation import batch_generator
+from dspine_train.training.inputs import check_inputs
+from dspine_train.training.offline_features import OfflineFeatures, cache_identity
+from dspine_train.training.planning import plan_draft_config
+from dspine_train.training.target import TargetFeatures, read_embedding_and_head
+from dspine_train.vocab_loss import target_topk
+from scripts.tools import REPO
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+from .step_profile import PARTS, StepProfile, describe_plan, flop_plan
+
+RECIPES = REPO / "recipes"
 
 
 @dataclass(frozen=True)

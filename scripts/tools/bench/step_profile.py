@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from .. import objective, vocab_loss
-from ..modeling import DSpineConfig, DSpineDraftModel
-from . import draft_step
+from dspine_train import objective, vocab_loss
+from dspine_train.modeling import DSpineConfig, DSpineDraftModel
+from dspine_train.training import draft_step
 
 PARTS = ("draft layers (forward)", "draft vocabulary projection", "target distribution",
          "refinement", "alignment", "objective (rest)", "backward (rest)", "optimizer")
