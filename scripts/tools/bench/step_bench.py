@@ -35,6 +35,7 @@ from dspine_train.training.planning import plan_draft_config
 from dspine_train.training.target import TargetFeatures, read_embedding_and_head
 from dspine_train.vocab_loss import target_topk
 from scripts.tools import REPO
+from scripts.tools.bench.reference_objective import ReferenceDraftStep
 
 from .step_profile import PARTS, StepProfile, describe_plan, flop_plan
 
@@ -43,7 +44,8 @@ RECIPES = REPO / "recipes"
 
 @dataclass(frozen=True)
 class StepPath:
-    """One way of making the step: `reference` objective, cached `topk` target, `bf16` draft,
+    """One way of making the step: the `reference` objective (`reference_objective`), cached
+    `topk` target, `bf16` draft,
     `pruned` draft vocabulary (`--draft-vocab` ids)."""
 
     reference: bool
@@ -110,7 +112,7 @@ class PathStep:
         self.path = path
         self.draft = copy.deepcopy(pruned if path.pruned else draft).to(dtype)
         self.draft.bind_target(embed.to(dtype), head.to(dtype))
-        self.step = DraftStep(self.draft, chunk, reference_vocab_terms=path.reference)
+        self.step = (ReferenceDraftStep if path.reference else DraftStep)(self.draft, chunk)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=lr, betas=(0.9, 0.95))
 
     def __call__(self, item, profile: StepProfile | None = None) -> float:  # noqa: ANN001

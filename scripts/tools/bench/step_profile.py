@@ -23,6 +23,8 @@ from dspine_train import objective, vocab_loss
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.training import draft_step
 
+from . import reference_objective
+
 PARTS = ("draft layers (forward)", "draft vocabulary projection", "target distribution",
          "refinement", "alignment", "objective (rest)", "backward (rest)", "optimizer")
 
@@ -64,6 +66,7 @@ class StepProfile:
             (objective, "_vocab_terms", "draft vocabulary projection"),
             (objective, "backbone_vocab_terms", "draft vocabulary projection"),
             (draft_step, "dspine_loss", "objective (rest)"),
+            (reference_objective, "reference_dspine_loss", "objective (rest)"),
             (vocab_loss.TargetDistribution, "at", "target distribution"),
             (objective.F, "cosine_similarity", "alignment"),
         ]
