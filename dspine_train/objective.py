@@ -111,84 +111,31 @@ def alignment_scale(step: int, weight: float, warmup_steps: int) -> float:
     return weight * min(1.0, step / warmup_steps)
 
 
-def _vocab_terms(
+def dspine_loss(
     draft: DSpineDraftModel,
-    hidden: torch.Tensor,
-    target_hidden: torch.Tensor | None,
-    labels: torch.Tensor,
-    k: int,
-) -> tuple[torch.Tensor, ...]:
-    """Per-row CE, L1, correctness, top-K candidates and p_target on them, for one chunk.
+    out: DSpineTrainOutput,
+    target_final_hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_mask: torch.Tensor,
+    step: int,
+    total_steps: int | None = None,
+    chunk_size: int = 1024,
+    target_topk: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The SPEC 2.3 objective for one training forward; returns (loss, detached metrics).
 
-    hidden (n, H) draft states, target_hidden (n, H) target final states (or None without
-    distillation), labels (n,). Full-vocabulary logits live only inside this function.
+    target_final_hidden (B, S, H): the target's final normed hidden states; the target's
+    distribution for slot k of anchor a is softmax(lm_head(target_final_hidden[a + k - 1])).
+    target_topk: (ids, probs, logsumexp), (B, S, k), (B, S, k), (B, S, 1): that distribution's
+    top-k per position and its log-normaliser as the feature cache stores them (`vocab_loss`);
+    when given, no V x H target projection is made.
     """
-    logits = draft.logits(hidden).float()  # (n, V)
-    logp = torch.log_softmax(logits, dim=-1)
-    ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
-    detached = logits.detach()
-    correct = (detached.argmax(-1) == labels).float()
-    cand = torch.topk(detached, k, dim=-1).indices  # (n, K)
-    if target_hidden is None:
-        zeros = torch.zeros_like(ce)
-        return ce, zeros, correct, cand, torch.zeros(cand.shape, device=cand.device)
-    with torch.no_grad():
-        # Not `draft.logits`: the draft's norm on top of the target's would rescale the state
-        # and, for a real target whose final norm is far from 1, flatten p_target.
-        p_target = torch.softmax(draft.target_logits(target_hidden).float(), dim=-1)
-    l1 = (logp.exp() - p_target).abs().sum(-1)
-    return ce, l1, correct, cand, p_target.gather(-1, cand)
-
-
-def backbone_terms(
-    draft: DSpineDraftModel, slots: SupervisedSlots, chunk_size: int
-) -> tuple[torch.Tensor, ...]:
-    """The backbone's vocabulary terms of every slot, `chunk_size` slots at a time: (mix, ce,
-    l1, correct, cand, p_cand), each (n,) or (n, K) (see `_chunk_terms`)."""
-    chunks = [_chunk_terms(draft, slots, chunk) for chunk in slots.chunks(chunk_size)]
-    return concat_chunks(chunks)
-
-
-def concat_chunks(chunks: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """Per-chunk term tuples joined into one tuple of (n, ...) tensors."""
-    return tuple(torch.cat([terms[i] for terms in chunks]) for i in range(len(BACKBONE_TERMS)))
-
-
-def _chunk_terms(
-    draft: DSpineDraftModel, slots: SupervisedSlots, chunk: slice
-) -> tuple[torch.Tensor, ...]:
-    """`vocab_loss.backbone_vocab_terms` of one chunk of slots: (mix, ce, l1, correct, cand,
-    p_cand), each (n,) or (n, K); the target's distribution from the cached top-k when given,
-    else projected from its final state (None: no distillation).
-
-    With a pruned draft vocabulary the backbone scores its rows only, against the target's
-    distribution restricted to them and renormalised; labels outside it give garbage CE that
-    the caller weighs by zero. Candidates come back as target ids, p_target on them exact.
-    """
-    _, head = draft._require_target()
-    target_hidden = slots.target_hidden(chunk)
-    labels = slots.labels[chunk]
-    target = None
-    if slots.target_topk is not None and target_hidden is not None:
-        ids, probs, lse = (t[chunk] for t in slots.target_topk)
-        target = TargetDistribution(probs.float(), ids.long(), target_hidden, lse[:, 0], head)
-    elif target_hidden is not None:
-        with torch.no_grad():  # the target's head on its own normed state (see _vocab_terms)
-            target = TargetDistribution(torch.softmax(draft.target_logits(target_hidden).float(), -1))
-    rows = draft.draft_token_ids()
-    restricted = None if target is None else target.restricted(rows, draft.target_to_draft)
-    mix, ce, l1, cand = backbone_vocab_terms(
-        draft.norm(slots.hidden[chunk]), draft.output_head(),
-        draft.target_to_draft(labels).clamp_min(0), ce_share(draft.config), restricted,
-        draft.config.candidate_k)
-    cand = draft.draft_to_target(cand)
-    correct = (cand[:, 0] == labels).float()
-    p_cand = torch.zeros(cand.shape, device=cand.device) if target is None else target.at(cand)
-    return mix, ce, l1, correct, cand, p_cand
-
-
-def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return (values * weights).sum() / weights.sum().clamp_min(1e-8)
+    del total_steps  # the alignment warm-up is in steps; kept for a uniform call signature
+    slots = supervised_slots(draft, out, target_final_hidden, loss_mask, anchors, anchor_mask,
+                             target_topk)
+    return slot_loss(draft, out, slots, backbone_terms(draft, slots, chunk_size), step,
+                     chunk_size)
 
 
 def ce_share(config: DSpineConfig) -> float:
@@ -267,31 +214,82 @@ def supervised_slots(
                            flat_pos, target_final_hidden if cfg.distill else None, target_topk)
 
 
-def dspine_loss(
-    draft: DSpineDraftModel,
-    out: DSpineTrainOutput,
-    target_final_hidden: torch.Tensor,
-    loss_mask: torch.Tensor,
-    anchors: torch.Tensor,
-    anchor_mask: torch.Tensor,
-    step: int,
-    total_steps: int | None = None,
-    chunk_size: int = 1024,
-    target_topk: tuple[torch.Tensor, ...] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The SPEC 2.3 objective for one training forward; returns (loss, detached metrics).
+def backbone_terms(
+    draft: DSpineDraftModel, slots: SupervisedSlots, chunk_size: int
+) -> tuple[torch.Tensor, ...]:
+    """The backbone's vocabulary terms of every slot, `chunk_size` slots at a time: (mix, ce,
+    l1, correct, cand, p_cand), each (n,) or (n, K) (see `_chunk_terms`)."""
+    chunks = [_chunk_terms(draft, slots, chunk) for chunk in slots.chunks(chunk_size)]
+    return concat_chunks(chunks)
 
-    target_final_hidden (B, S, H): the target's final normed hidden states; the target's
-    distribution for slot k of anchor a is softmax(lm_head(target_final_hidden[a + k - 1])).
-    target_topk: (ids, probs, logsumexp), (B, S, k), (B, S, k), (B, S, 1): that distribution's
-    top-k per position and its log-normaliser as the feature cache stores them (`vocab_loss`);
-    when given, no V x H target projection is made.
+
+def concat_chunks(chunks: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Per-chunk term tuples joined into one tuple of (n, ...) tensors."""
+    return tuple(torch.cat([terms[i] for terms in chunks]) for i in range(len(BACKBONE_TERMS)))
+
+
+def _chunk_terms(
+    draft: DSpineDraftModel, slots: SupervisedSlots, chunk: slice
+) -> tuple[torch.Tensor, ...]:
+    """`vocab_loss.backbone_vocab_terms` of one chunk of slots: (mix, ce, l1, correct, cand,
+    p_cand), each (n,) or (n, K); the target's distribution from the cached top-k when given,
+    else projected from its final state (None: no distillation).
+
+    With a pruned draft vocabulary the backbone scores its rows only, against the target's
+    distribution restricted to them and renormalised; labels outside it give garbage CE that
+    the caller weighs by zero. Candidates come back as target ids, p_target on them exact.
     """
-    del total_steps  # the alignment warm-up is in steps; kept for a uniform call signature
-    slots = supervised_slots(draft, out, target_final_hidden, loss_mask, anchors, anchor_mask,
-                             target_topk)
-    return slot_loss(draft, out, slots, backbone_terms(draft, slots, chunk_size), step,
-                     chunk_size)
+    _, head = draft._require_target()
+    target_hidden = slots.target_hidden(chunk)
+    labels = slots.labels[chunk]
+    target = None
+    if slots.target_topk is not None and target_hidden is not None:
+        ids, probs, lse = (t[chunk] for t in slots.target_topk)
+        target = TargetDistribution(probs.float(), ids.long(), target_hidden, lse[:, 0], head)
+    elif target_hidden is not None:
+        with torch.no_grad():  # the target's head on its own normed state (see full_vocab_terms)
+            target = TargetDistribution(torch.softmax(draft.target_logits(target_hidden).float(), -1))
+    rows = draft.draft_token_ids()
+    restricted = None if target is None else target.restricted(rows, draft.target_to_draft)
+    mix, ce, l1, cand = backbone_vocab_terms(
+        draft.norm(slots.hidden[chunk]), draft.output_head(),
+        draft.target_to_draft(labels).clamp_min(0), ce_share(draft.config), restricted,
+        draft.config.candidate_k)
+    cand = draft.draft_to_target(cand)
+    correct = (cand[:, 0] == labels).float()
+    p_cand = torch.zeros(cand.shape, device=cand.device) if target is None else target.at(cand)
+    return mix, ce, l1, correct, cand, p_cand
+
+
+def full_vocab_terms(
+    draft: DSpineDraftModel,
+    hidden: torch.Tensor,
+    target_hidden: torch.Tensor | None,
+    labels: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, ...]:
+    """Per-row CE, L1, correctness, top-K candidates and p_target on them, for one chunk,
+    through autograd (the intermediate-layer CE checkpoints it; so does the reference objective
+    of `scripts/tools/bench/reference_objective.py`).
+
+    hidden (n, H) draft states, target_hidden (n, H) target final states (or None without
+    distillation), labels (n,). Full-vocabulary logits live only inside this function.
+    """
+    logits = draft.logits(hidden).float()  # (n, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
+    detached = logits.detach()
+    correct = (detached.argmax(-1) == labels).float()
+    cand = torch.topk(detached, k, dim=-1).indices  # (n, K)
+    if target_hidden is None:
+        zeros = torch.zeros_like(ce)
+        return ce, zeros, correct, cand, torch.zeros(cand.shape, device=cand.device)
+    with torch.no_grad():
+        # Not `draft.logits`: the draft's norm on top of the target's would rescale the state
+        # and, for a real target whose final norm is far from 1, flatten p_target.
+        p_target = torch.softmax(draft.target_logits(target_hidden).float(), dim=-1)
+    l1 = (logp.exp() - p_target).abs().sum(-1)
+    return ce, l1, correct, cand, p_target.gather(-1, cand)
 
 
 def slot_loss(
@@ -372,7 +370,7 @@ def slot_loss(
             layer_ce = []
             for sl in slots.chunks(chunk_size):
                 ce_l, *_ = checkpoint(
-                    _vocab_terms, draft, h[sl], None,
+                    full_vocab_terms, draft, h[sl], None,
                     draft.target_to_draft(labels[sl]).clamp_min(0), 1, use_reentrant=False
                 )
                 layer_ce.append(ce_l)
@@ -385,3 +383,7 @@ def slot_loss(
     metrics["loss"] = loss.detach()
     metrics["supervised_slots"] = torch.full((), float(w.numel()), device=loss.device)
     return loss, metrics
+
+
+def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (values * weights).sum() / weights.sum().clamp_min(1e-8)

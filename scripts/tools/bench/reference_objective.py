@@ -1,6 +1,6 @@
 """The DSpine objective with its backbone terms through autograd and activation checkpointing.
 
-The code before `vocab_loss`: each chunk's full-vocabulary terms (`objective._vocab_terms`) are
+The code before `vocab_loss`: each chunk's full-vocabulary terms (`objective.full_vocab_terms`) are
 recomputed in backward by `torch.utils.checkpoint`, two more V x H projections per slot than
 the product's gradient-in-forward terms, with the same values. Kept as the reference the fast
 path is checked against (`tests/test_fast_step.py`) and timed against (`step_bench`'s "old").
@@ -29,7 +29,7 @@ def reference_backbone_terms(draft: DSpineDraftModel, slots: objective.Supervise
         target_hidden = slots.target_hidden(chunk)
         # looked up on the module each call, so `step_profile` can time it
         ce, l1, correct, cand, p_cand = checkpoint(
-            objective._vocab_terms, draft, slots.hidden[chunk], target_hidden,
+            objective.full_vocab_terms, draft, slots.hidden[chunk], target_hidden,
             slots.labels[chunk], draft.config.candidate_k, use_reentrant=False,
         )
         mix = c * ce + (1 - c) * l1 if target_hidden is not None else ce

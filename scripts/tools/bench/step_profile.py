@@ -63,7 +63,7 @@ class StepProfile:
             (draft, "forward", "draft layers (forward)"),
             (draft, "target_logits", "target distribution"),
             (draft, "refined_scores", "refinement"),
-            (objective, "_vocab_terms", "draft vocabulary projection"),
+            (objective, "full_vocab_terms", "draft vocabulary projection"),
             (objective, "backbone_vocab_terms", "draft vocabulary projection"),
             (draft_step, "dspine_loss", "objective (rest)"),
             (reference_objective, "reference_dspine_loss", "objective (rest)"),
