@@ -6,7 +6,7 @@
 
 Writes OUT/gpu_check.json and OUT/gpu_check.md (default OUT: artifacts/gpu_check/<device>);
 exit status 1 if a section failed. The sections and what each asserts:
-`dspine_train/gpu_check/__init__.py`.
+`scripts/tools/gpu_check/__init__.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 
-from dspine_train.gpu_check.runner import main  # noqa: E402
+from scripts.tools.gpu_check.runner import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -120,6 +120,6 @@ DEFAULT_TARGET = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers
 
 def compose_recipe(*overrides: str):
     """The typed `TrainConfig` that `train.py <overrides>` composes (nothing runs)."""
-    from dspine_train.ablation.study import compose_train_config
+    from scripts.tools.ablation.study import compose_train_config
 
     return compose_train_config(overrides)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspine_train.ablation.runner import BUDGET_KEYS
-from dspine_train.ablation.variants import VARIANTS, select_variants
+from scripts.tools.ablation.runner import BUDGET_KEYS
+from scripts.tools.ablation.variants import VARIANTS, select_variants
 
 # The smoke study (one module fixture) trains and evaluates five variants: slow on a CPU.
 SLOW = pytest.mark.slow
@@ -187,9 +187,9 @@ def independent_acceptance(out: Path, variant: str) -> tuple[float, float, torch
     import datasets
     from transformers import AutoModelForCausalLM
 
-    from dspine_train.ablation.simulated import load_run_config
     from dspine_train.modeling import DSpineDraftModel
     from dspine_train.training.data import TokenBatches
+    from scripts.tools.ablation.simulated import load_run_config
 
     source = "dspine" if variant == "dspine_no_tcache" else variant
     config = load_run_config(out / source / "hydra" / "config.yaml")
@@ -330,7 +330,7 @@ def test_a_foreign_folder_of_a_derived_variant_is_refused_before_training(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A derived variant's folder holding another run is neither replaced nor written into,
     and the refusal comes before any variant trains."""
-    from dspine_train.ablation import runner
+    from scripts.tools.ablation import runner
 
     ran: list = []
 

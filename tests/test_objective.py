@@ -261,7 +261,7 @@ def test_distillation_target_is_the_targets_own_distribution():
     The target's final norm is scaled like a real model's (its gains are far from 1), so
     passing the state through the draft's norm again would change p_target.
     """
-    from dspine_train.objective import _vocab_terms
+    from dspine_train.objective import full_vocab_terms
 
     target = tiny_target(seed=5)
     with torch.no_grad():
@@ -274,7 +274,7 @@ def test_distillation_target_is_the_targets_own_distribution():
     expected = torch.softmax(out.logits.reshape(-1, out.logits.shape[-1]).float(), dim=-1)
     hidden = torch.randn(final.shape, generator=torch.Generator().manual_seed(0))
     labels = ids.reshape(-1)
-    _, l1, _, cand, p_cand = _vocab_terms(draft, hidden, final, labels, k=6)
+    _, l1, _, cand, p_cand = full_vocab_terms(draft, hidden, final, labels, k=6)
     torch.testing.assert_close(p_cand, expected.gather(-1, cand), rtol=1e-4, atol=1e-6)
     draft_p = torch.softmax(draft.logits(hidden).float(), dim=-1)
     torch.testing.assert_close(l1, (draft_p - expected).abs().sum(-1), rtol=1e-4, atol=1e-5)

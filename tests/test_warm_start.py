@@ -33,10 +33,6 @@ from safetensors.torch import load_file
 
 from dspine_train.engine import Engine
 from dspine_train.formats import export_dir, load_draft, write_format
-from dspine_train.formats.reference_parity import (
-    record_engine_rounds,
-    reference_block_logits,
-)
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.modeling.transition_cache import top_candidates, transition_table
 from dspine_train.token_table import build_token_table
@@ -44,6 +40,10 @@ from dspine_train.training.config import ModelConfig, register_configs, to_train
 from dspine_train.training.draft_builder import build_draft, draft_config_for
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.planning import plan_draft_config
+from scripts.tools.bench.reference_parity import (
+    record_engine_rounds,
+    reference_block_logits,
+)
 from tests._train_helpers import REPO, check_ok, run_train, tiny_overrides
 
 VOCAB = 200  # ids the tokenizer uses; the mask token is 200

@@ -12,13 +12,13 @@ import torch
 import transformers
 
 from dspine_train.engine import Engine, TargetModel
-from dspine_train.engine.oracle_draft import OracleDraft, OracleDraftConfig
-from dspine_train.gpu_check.context import (
+from scripts.tools.bench.oracle_draft import OracleDraft, OracleDraftConfig
+from scripts.tools.gpu_check.context import (
     Check,
     Figures,
     make_engine,
 )
-from dspine_train.gpu_check.models import (
+from scripts.tools.gpu_check.models import (
     hf_greedy,
     save_tiny_target,
     train_draft_briefly,
@@ -192,7 +192,7 @@ def bf16_agreement(ck: Check, engine: Engine, sequence: list[int]) -> dict[str, 
     margin says whether it was a near-tie (possible in bf16) or a real difference.
     """
     try:
-        from dspine_train.engine.agreement import teacher_forced_agreement
+        from scripts.tools.bench.agreement import teacher_forced_agreement
     except ImportError:
         tokens = torch.tensor(sequence, device=ck.device)
         return {"local_g15": local_agreement(engine.target, tokens, prefix=16, rows=16)}
