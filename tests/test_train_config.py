@@ -27,10 +27,6 @@ def _compose(*overrides: str) -> TrainConfig:
         return to_train_config(compose("config", overrides=list(overrides)))
 
 
-def test_the_four_recipes_exist() -> None:
-    assert RECIPES == ["qwen2.5_coder_0.5b", "qwen3_4b", "qwen3_8b", "tiny"]
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_into_the_schema(recipe: str) -> None:
     config = _compose(f"recipe={recipe}")
