@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 import dspine_train.modeling.modeling_dspine as md
 from dspine_train import DSpineConfig, DSpineDraftModel
@@ -61,77 +59,44 @@ def plan(**overrides):
     return estimate_memory(**kwargs)
 
 
-class DraftLikeStack(nn.Module):
-    """The draft's trainable modules built from the same dims, independently of the formula."""
-
-    def __init__(self, config: Qwen3Config, num_layers: int, num_context: int, r: int, m: int):
-        super().__init__()
-        h = config.hidden_size
-        self.fc = nn.Linear(num_context * h, h, bias=False)
-        self.hidden_norm = nn.RMSNorm(h)
-        # transformers' own Qwen3 layer: q/k/v/o (GQA), q/k norms, SwiGLU, two RMSNorms.
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(num_layers))
-        self.norm = nn.RMSNorm(h)
-        self.readouts = nn.ModuleList(nn.Linear(h, r, bias=False) for _ in range(num_layers))
-        self.message = nn.Linear(r, m, bias=False)
-        self.gate_recv = nn.Linear(r, m, bias=True)
-        self.gate_pred = nn.Linear(r, m, bias=False)
-        self.writes = nn.ModuleList(nn.Linear(m, h, bias=False) for _ in range(num_layers))
+def _real_draft(num_layers: int = N, **overrides) -> DSpineDraftModel:
+    """The draft the trainer builds (`DSpineConfig.from_target`), on the meta device."""
+    config = DSpineConfig.from_target(tiny_config(), used_vocab_size=500, num_layers=num_layers,
+                                      transfer_dim=R, message_size=M, **overrides)
+    with torch.device("meta"):
+        return DSpineDraftModel(config)
 
 
-@pytest.mark.parametrize("num_context", [N, 3])
-def test_draft_parameter_count_matches_instantiated_modules(num_context):
-    config = tiny_config()
+@pytest.mark.parametrize(
+    ("num_layers", "overrides"),
+    [(N, {}), (3, {}), (N, {"target_layer_ids": [0, 1, 3]}), (N, {"attention_bias": True})],
+)
+def test_draft_parameter_count_is_the_real_draft_models(num_layers, overrides):
+    draft = _real_draft(num_layers, **overrides)
     counts = draft_parameter_counts(
-        config, draft_num_layers=N, transfer_dim=R, message_size=M, num_context_layers=num_context
-    )
-    stack = DraftLikeStack(config, N, num_context, R, M)
-    assert sum(counts.values()) == sum(p.numel() for p in stack.parameters())
-    assert counts["layers"] == sum(p.numel() for p in stack.layers.parameters())
-
-
-def test_draft_attention_bias_adds_projection_biases():
-    without = draft_parameter_counts(
-        tiny_config(), draft_num_layers=N, transfer_dim=R, message_size=M
-    )
-    with_bias = draft_parameter_counts(
-        tiny_config(), draft_num_layers=N, transfer_dim=R, message_size=M, attention_bias=True
-    )
-    # q (64) + k, v (32 each) + o (64) biases per layer
-    assert with_bias["layers"] - without["layers"] == N * (64 + 2 * 32 + 64)
-
-
-def test_draft_parameter_count_by_hand():
-    counts = draft_parameter_counts(
-        tiny_config(), draft_num_layers=N, transfer_dim=R, message_size=M
-    )
-    per_layer = (64 * 64 + 2 * 64 * 32 + 64 * 64) + 2 * 16 + 3 * 64 * 128 + 2 * 64  # 37024
-    assert counts == {
-        "fc": 2 * 64 * 64,
-        "hidden_norm": 64,
-        "layers": 2 * per_layer,
-        "final_norm": 64,
-        "injection": 2 * 64 * 16 + 16 * 8 + (16 * 8 + 8) + 16 * 8 + 2 * 8 * 64,  # 3464
-    }
-    assert sum(counts.values()) == 85832
-
-
-def test_draft_parameter_count_matches_dspine_draft_model():
-    modeling = pytest.importorskip("dspine_train.modeling")
-    target = tiny_config()
-    config = modeling.DSpineConfig.from_target(
-        target, used_vocab_size=500, num_layers=N, transfer_dim=R, message_size=M
-    )
-    torch.manual_seed(0)
-    draft = modeling.DSpineDraftModel(config)
-    counts = draft_parameter_counts(
-        target,
-        draft_num_layers=N,
-        transfer_dim=R,
-        message_size=M,
-        num_context_layers=config.num_context_layers,
+        tiny_config(), draft_num_layers=num_layers, transfer_dim=R, message_size=M,
+        num_context_layers=draft.config.num_context_layers,
+        attention_bias=draft.config.attention_bias,
     )
     assert sum(counts.values()) == sum(p.numel() for p in draft.parameters())
+    assert counts["layers"] == sum(p.numel() for p in draft.layers.parameters())
+    assert counts["injection"] == sum(p.numel() for p in draft.injection.parameters())
+
+
+def test_plan_counts_the_recipes_draft_as_built(tmp_path):
+    """`memory_plan_for` sizes the draft the trainer would build for the tiny recipe."""
+    from dspine_train.training.planning import (
+        memory_plan_for,
+        plan_draft_config,
+        plan_target_config,
+    )
+    from tests._train_helpers import compose_recipe
+
+    config = compose_recipe("recipe=tiny", f"output_dir={tmp_path}/out")
+    draft_config = plan_draft_config(config, plan_target_config(config))
+    with torch.device("meta"):
+        draft = DSpineDraftModel(draft_config)
+    assert memory_plan_for(config).draft_parameters == sum(p.numel() for p in draft.parameters())
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -149,7 +114,8 @@ def test_count_items_are_parameter_counts_times_bytes():
     """Parameters, gradients, optimizer states and token codes are counts (checked against
     instantiated modules above) times bytes; the activation items are measured below."""
     result = plan()  # bf16, ZeRO-2 over W = 2
-    p_draft, p_target = 85832, 213696
+    p_draft = sum(p.numel() for p in _real_draft().parameters())
+    p_target = sum(p.numel() for p in Qwen3ForCausalLM(tiny_config()).parameters())
     assert result.draft_parameters == p_draft and result.target_parameters == p_target
     assert result.item("frozen target weights").bytes == p_target * 2
     assert result.item("draft parameters").bytes == p_draft * 2
@@ -279,7 +245,8 @@ def test_zero3_uses_less_memory_than_zero2():
     zero2, zero3 = plan(zero_stage=2, **five_layers), plan(zero_stage=3, **five_layers)
     assert zero3.total_bytes < zero2.total_bytes
     assert zero3.item("draft parameters").bytes * 8 == zero2.item("draft parameters").bytes
-    assert zero3.item("ZeRO-3 gathered modules").bytes == 2 * 37024 * 2  # two decoder layers
+    layer = sum(p.numel() for p in _real_draft().layers[0].parameters())
+    assert zero3.item("ZeRO-3 gathered modules").bytes == 2 * layer * 2  # two decoder layers
 
 
 @pytest.mark.parametrize(
@@ -327,7 +294,7 @@ def test_offline_features_and_checkpointing_shrink_the_plan():
     assert checkpointed.item("draft context path").bytes < base.item("draft context path").bytes
     assert checkpointed.total_bytes < base.total_bytes
     fp32 = plan(param_dtype="fp32")
-    assert fp32.item("optimizer states (master + Adam m, v)").bytes == 85832 * 8 // 2
+    assert fp32.item("optimizer states (master + Adam m, v)").bytes == fp32.draft_parameters * 8 // 2
 
 
 def test_table_lists_every_item_total_and_need():

@@ -60,6 +60,8 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from ..modeling import DSpineConfig, DSpineDraftModel
+
 GIB = 1024**3
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -218,58 +220,43 @@ def draft_parameter_counts(
     num_context_layers: int | None = None,
     attention_bias: bool = False,
 ) -> dict[str, int]:
-    """Trainable parameters of a DSpine draft for `target_config`, by component.
+    """Trainable parameters of a DSpine draft for `target_config`, by component: `fc`,
+    `hidden_norm`, `layers`, `final_norm` and `injection`.
 
-    The draft's layers have the target's width and head layout (METHOD 1):
-
-        fc             n*H*H                          Linear(n*H -> H), no bias
-        hidden_norm    H                              RMSNorm after fc
-        layers         N * (H*q + 2*H*kv + q*H        q/k/v/o projections (GQA)
-                            [+ q + 2*kv + H]          their biases when `attention_bias`
-                                                      (the draft config's own field, False
-                                                      by default, not the target's)
-                            + 2*head_dim              q_norm, k_norm
-                            + 3*H*I                   SwiGLU gate/up/down
-                            + 2*H)                    input and post-attention RMSNorms
-        final_norm     H
-        injection      N*H*r                          readouts R_l: H -> r, no bias
-                       + r*m                          message M: r -> m, no bias
-                       + r*m + m                      gate_recv: r -> m with the gate bias b
-                       + r*m                          gate_pred: r -> m, no bias
-                       + N*m*H                        writes W_l: m -> H, no bias
-
-    The frozen embedding and lm_head belong to the target and the token codes are a buffer,
-    so neither is counted here. The injection modules exist (and are trained) even when the
-    draft runs as plain DFlash (`injection: false`): the readouts still feed the alignment term.
+    The draft is built on the `meta` device (no memory), as the target is in
+    `target_parameter_count`, so the count is the real `DSpineDraftModel`'s whatever its
+    layers hold. Its layers have the target's width and head layout (METHOD 1); the frozen
+    embedding and lm_head belong to the target and the token codes are a buffer, so neither
+    is counted here. The injection modules exist (and are trained) even when the draft runs
+    as plain DFlash (`injection: false`): the readouts still feed the alignment term.
     """
     cfg = _text_config(target_config)
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    q_dim, kv_dim = _attention_dims(cfg)
-    head_dim = q_dim // cfg.num_attention_heads
+    fields = DSpineConfig.target_derived_fields(cfg, None)
     n = draft_num_layers if num_context_layers is None else num_context_layers
-    r, m = transfer_dim, message_size
-    attention = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
-    if attention_bias:
-        attention += q_dim + 2 * kv_dim + hidden
-    per_layer = attention + 2 * head_dim + 3 * hidden * inter + 2 * hidden
-    counts = {
-        "fc": n * hidden * hidden,
-        "hidden_norm": hidden,
-        "layers": draft_num_layers * per_layer,
-        "final_norm": hidden,
-        "injection": (
-            draft_num_layers * hidden * r  # readouts
-            + r * m  # message
-            + (r * m + m)  # gate_recv with the gate bias
-            + r * m  # gate_pred
-            + draft_num_layers * m * hidden  # writes
-        ),
-    }
+    # the context layers' number alone sizes `fc`; a what-if plan may ask for more than L
+    fields["target_num_layers"] = max(fields["target_num_layers"], n)
+    config = DSpineConfig(
+        **fields,
+        num_layers=draft_num_layers,
+        target_layer_ids=list(range(n)),
+        transfer_dim=transfer_dim,
+        message_size=message_size,
+        candidate_k=1,
+        mask_token_id=0,
+        attention_bias=attention_bias,
+    )
+    with torch.device("meta"):
+        draft = DSpineDraftModel(config)
+    modules = {"fc": draft.fc, "hidden_norm": draft.hidden_norm, "layers": draft.layers,
+               "final_norm": draft.norm, "injection": draft.injection}
+    counts = {name: sum(p.numel() for p in module.parameters()) for name, module in modules.items()}
+    if sum(counts.values()) != sum(p.numel() for p in draft.parameters()):
+        raise RuntimeError("memory plan: a DSpineDraftModel module is missing from its components")
     return counts
 
 
 def _draft_layer_parameters(cfg: PretrainedConfig, attention_bias: bool = False) -> int:
-    """Parameters of one draft decoder layer (the `layers` formula above with N = 1)."""
+    """Parameters of one draft decoder layer."""
     counts = draft_parameter_counts(cfg, draft_num_layers=1, transfer_dim=1, message_size=1,
                                     attention_bias=attention_bias)
     return counts["layers"]
