@@ -3,6 +3,7 @@ session wall time, the wall-time plan, and the report writer - on tiny configs, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from dspine_train.training.block_stats import BlockResults, paired_difference
+from dspine_train.training.planning import plan_draft_config
 from scripts.tools.ablation import runner, study
 from scripts.tools.ablation.runner import AblationError
 from scripts.tools.ablation.study import (
@@ -34,6 +36,7 @@ from scripts.tools.ablation.study_variants import (
     StudyVariant,
     select_study_variants,
 )
+from tests._train_helpers import compose_recipe
 
 
 def tiny_settings(tmp_path: Path, tiny_assets: dict | None = None, **kw) -> StudySettings:
@@ -61,13 +64,29 @@ def test_a_variant_with_an_unknown_key_fails_by_name_before_training(
     assert trained == []  # nothing ran: not even the feature cache
 
 
-def test_variants_are_override_lists_in_one_place() -> None:
+def test_each_variant_composes_to_a_draft_that_differs_where_it_says(tmp_path: Path) -> None:
+    """What `train.py` composes from a variant's arguments: the change the variant names."""
     names = [v.name for v in select_study_variants(None)]
     assert names[0] == "dspine" and "dflash" in names and "dspine_specforge" in names
     assert "dspine_warm_start" not in names and "dspine_fp32" not in names  # optional: by name
-    assert STUDY_VARIANTS["dflash"].hydra_overrides() == ["model.method=dflash"]
     with pytest.raises(ValueError, match="unknown variant"):
         select_study_variants(["nope"])
+    settings = tiny_settings(tmp_path)
+
+    def composed(name: str):
+        config = compose_recipe(*settings.train_arguments(STUDY_VARIANTS[name]))
+        return config, plan_draft_config(config)
+
+    base_config, base = composed("dspine")
+    config, dflash = composed("dflash")
+    assert (base.method, dflash.method) == ("dspine", "dflash")
+    assert base.injection and not dflash.injection
+    assert dflash.block_attention == "bidirectional" != base.block_attention
+    assert config.data == base_config.data and config.optim == base_config.optim
+    for name in names[1:]:  # every variant changes the run it is compared with
+        config = compose_recipe(*settings.train_arguments(STUDY_VARIANTS[name]))
+        assert config.output_dir != base_config.output_dir, name  # a folder of its own
+        assert dataclasses.replace(config, output_dir=base_config.output_dir) != base_config, name
 
 
 def test_train_arguments_resume_evaluate_and_checkpoint(tmp_path: Path) -> None:
@@ -188,9 +207,17 @@ def record(name: str, result: BlockResults, reference: BlockResults | None) -> d
     return rec
 
 
+def table_row(text: str, variant: str) -> list[str]:
+    """The cells of the first markdown table row of `variant` in `text`."""
+    line = next(line for line in text.splitlines() if line.startswith(f"| {variant} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
 def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     ref, dflash = blocks([3, 2, 1, 2, 0, 1]), blocks([1, 1, 0, 2, 0, 0])
     records = [record("dspine", ref, None), record("dflash", dflash, ref)]
+    records[1].update(steps=24, train_wall_s=5400.0, final_losses={"loss": 3.25,
+                                                                   "candidate_coverage": 0.4})
     meta = {"command": "python scripts/study.py run", "commit": "abc123", "dirty": False,
             "machine": {"cpu": "test"}, "date": "2026-12-02",
             "plan": {"dspine": {"s_per_step": 1.5}, "dflash": {"s_per_step": 1.0}},
@@ -205,7 +232,15 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     diff = paired_difference(dflash, ref)
     assert diff["diff"] == pytest.approx(-5 / 6)
     assert f"{diff['diff']:+.4f} ± {diff['se']:.4f} ({diff['se_row']:.4f})" in text
-    assert "| dspine | 12 | 2.00 h | 6 | 2.500" in text
+    # each variant's row shows the numbers of its own record
+    for rec, result in zip(records, (ref, dflash)):
+        cells = table_row(text, rec["variant"])
+        assert int(cells[1]) == rec["steps"]
+        assert float(cells[2].removesuffix(" h")) == rec["train_wall_s"] / 3600
+        assert int(cells[3]) == len(result.accepted)
+        assert float(cells[4].split(" ± ")[0]) == pytest.approx(result.tau, abs=5e-4)
+        assert float(cells[7]) == rec["final_losses"]["candidate_coverage"]
+        assert float(cells[8]) == rec["final_losses"]["loss"]
     assert "bfloat16" in text and "abc123" in text and "python scripts/study.py run" in text
     assert text.startswith("# Training study on the target (2026-12-02)")  # no target recorded
     assert "misses the aim of 1.6" not in text and "DSpine / DFlash" in text
@@ -224,7 +259,8 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     # a study row no piece has planned yet is listed too
     meta["study_variants"] = ["dspine", "dflash", "dspine_no_alignment"]
     text = write_study_report(records, meta, tmp_path / "docs" / "study_y")[0].read_text()
-    assert "| dspine_no_alignment | - | - | - | - | - | `-` | not yet |" in text
+    planned = table_row(text, "dspine_no_alignment")
+    assert planned[-1] == "not yet" and set(planned[1:-1]) <= {"-", "`-`"}  # no numbers yet
 
 
 def test_conditional_acceptance_is_where_the_chain_breaks() -> None:
