@@ -109,3 +109,14 @@ def test_draft_vocab_size_reaches_the_training_config(tmp_path: Path, flag: str,
 def test_a_negative_draft_vocab_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.main(["--draft-vocab-size", "-1", "--stages", "prompts"]) == 1
     assert "--draft-vocab-size must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--stages", "--force"])
+def test_an_unknown_stage_is_refused_by_flag_before_any_work(
+        tmp_path: Path, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    assert demo.main(["--out", str(out), flag, "prompts,evaluat"]) == 1
+    err = capsys.readouterr().err
+    assert f"{flag}: unknown stage(s) ['evaluat']" in err
+    assert all(stage in err for stage in demo.STAGES)  # the stages it knows are listed
+    assert not out.exists()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -206,24 +205,6 @@ def test_builtin_benchmarks_are_the_recipes_heldout_prompts(name: str, package: 
     assert all(p[-1]["role"] == "user" for p in bench.prompts)
     assert load_benchmark_prompts(name, limit=5) == bench.prompts  # stable choice
     assert set(bench.ids) < set(load_benchmark(name, limit=6).ids)  # more only adds prompts
-
-
-def test_demo_help_documents_stage_selection_and_sizes() -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "demo.py"), "--help"],
-                          cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    for flag in ("--stages", "--force", "--num-prompts", "--steps", "--eval-prompts",
-                 "--num-draft-tokens", "--threads"):
-        assert flag in proc.stdout
-    assert "regenerate" in proc.stdout and "evaluate" in proc.stdout
-
-
-def test_bench_result_keeps_the_agreed_field_order() -> None:
-    # scripts/ablate.py and saved results rely on these names and positions.
-    head = list(asdict(BenchResult("b", 0.0, 1, 1, 1.0, [], 1.0, None, None, None, 0.0, 0.0)))
-    assert head[:12] == ["bench", "temperature", "num_prompts", "new_tokens", "tau",
-                         "per_position", "tokens_per_s_spec", "tokens_per_s_ar", "speedup",
-                         "lossless", "draft_ms_per_step", "verify_ms_per_step"]
 
 
 def test_the_harness_imports_nothing_from_data_prep_training_or_a_cli() -> None:
