@@ -7,10 +7,12 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from transformers import Qwen2Config
 
+from dspine_train import DSpineConfig
 from dspine_train.training.planning import plan_draft_config
-from tests._train_helpers import DEFAULT_TARGET
+from tests._train_helpers import DEFAULT_TARGET, REPO
 from tests._train_helpers import compose_recipe as _compose
 
 
@@ -28,24 +30,41 @@ def _demo_draft(target_config: Path, *overrides: str):
     return config, plan_draft_config(config)
 
 
+def _preset(name: str) -> dict:
+    """The `model` and `optim` keys a preset file sets (its own and its defaults' presets)."""
+    node = OmegaConf.load(REPO / "recipes" / "preset" / f"{name}.yaml")
+    fields: dict = {}
+    for parent in node.get("defaults", []):
+        if parent != "_self_":
+            for group, values in _preset(parent).items():
+                fields.setdefault(group, {}).update(values)
+    for group in ("model", "optim"):
+        if group in node:
+            fields.setdefault(group, {}).update(OmegaConf.to_container(node[group]))
+    return fields
+
+
 def test_specforge_published_preset_on_the_demo_recipe(target_config: Path) -> None:
     ours_config, ours = _demo_draft(target_config)
     config, draft = _demo_draft(target_config, "preset=specforge_published")
-    # SpecForge's configs/qwen3-8b-dspine.json: rank 1024 capped at H, message 512, K 16,
-    # warm-up 146, 3 replacement layers; gamma 7 (its trainer's default)
-    assert draft.transfer_dim == 896 == DEFAULT_TARGET["hidden_size"]
-    assert (draft.message_size, draft.candidate_k, draft.loss_gamma) == (512, 16, 7.0)
-    assert (draft.alignment_warmup_steps, draft.replacement_layers) == (146, 3)
-    assert (draft.ce_weight, draft.alignment_weight, draft.replacement_probability) == (0.1, 0.5, 0.5)
-    # ... with its objective and optimiser
-    assert (draft.refine_normalization, draft.alignment_layer_reduction,
-            draft.readout_init) == ("supervised", "sum", "directions")
-    assert config.optim.betas == [0.9, 0.999]
+    preset = _preset("specforge_published")
+    defaults = DSpineConfig.from_target(Qwen2Config(**DEFAULT_TARGET), mask_token_id=0,
+                                        num_layers=ours.num_layers)
+    # a set field wins; a null one resets the recipe's value to DSpineConfig's default, capped
+    # by the target (transfer rank 1024 capped at H)
+    for name, value in preset["model"].items():
+        if name == "token_table_path":
+            continue
+        expected = getattr(defaults, name) if value is None else value
+        assert getattr(draft, name) == expected, name
+    assert draft.transfer_dim == DEFAULT_TARGET["hidden_size"] < DSpineConfig.transfer_dim
+    assert config.optim.betas == preset["optim"]["betas"]
+    # the preset changes what the recipe sets: otherwise the check above proves nothing
+    assert {n for n in preset["model"] if getattr(ours, n, None) != getattr(draft, n, None)} >= {
+        "transfer_dim", "message_size", "candidate_k", "loss_gamma", "alignment_warmup_steps"}
     # at our draft's size, with a token table of its own rank
     for name in ("num_layers", "block_size", "target_layer_ids"):
         assert getattr(draft, name) == getattr(ours, name), name
-    assert (ours.num_layers, ours.block_size, ours.target_layer_ids) == (2, 8, [1, 21])
-    assert ours.transfer_dim != draft.transfer_dim
     assert config.model.token_table_path is None
     assert ours_config.model.token_table_path is not None
     # the rest of the recipe (data, steps, optimiser schedule) is unchanged
@@ -56,9 +75,10 @@ def test_specforge_published_preset_on_the_demo_recipe(target_config: Path) -> N
 def test_specforge_objective_preset_keeps_the_recipes_settings(target_config: Path) -> None:
     _, ours = _demo_draft(target_config)
     config, draft = _demo_draft(target_config, "preset=specforge_objective")
-    assert (draft.refine_normalization, draft.alignment_layer_reduction,
-            draft.readout_init) == ("supervised", "sum", "directions")
-    assert config.optim.betas == [0.9, 0.999]
+    preset = _preset("specforge_objective")
+    for name, value in preset["model"].items():
+        assert getattr(draft, name) == value, name
+    assert config.optim.betas == preset["optim"]["betas"]
     changed = {k for k, v in draft.to_dict().items() if ours.to_dict().get(k) != v}
     assert changed == {"refine_normalization", "readout_init"}  # sum is already the default
 
