@@ -74,20 +74,6 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_defaults_are_the_specs() -> None:
-    cfg = DSpineConfig()
-    # METHOD 2.2: first 3 layers, p 0.5 held for 1/6 of training, 0 from 1/3
-    assert (cfg.replacement_layers, cfg.replacement_probability) == (3, 0.5)
-    assert (cfg.replacement_hold_ratio, cfg.replacement_end_ratio) == (1 / 6, 1 / 3)
-    # METHOD 2.3: c 0.1, gamma 7, K 16, beta 0.5 over ~150 steps, one alignment term per layer
-    assert (cfg.ce_weight, cfg.loss_gamma, cfg.candidate_k) == (0.1, 7.0, 16)
-    assert (cfg.alignment_weight, cfg.alignment_warmup_steps) == (0.5, 150)
-    assert cfg.alignment_layer_reduction == "sum"
-    # this project's choices where METHOD is silent (docs/ARCHITECTURE.md, "Deviations")
-    assert (cfg.refine_normalization, cfg.readout_init) == ("covered", "whitened")
-    assert OptimConfig().betas == [0.9, 0.95]
-
-
 # ------------------------------------------------------------------ METHOD 2.3 weights
 # c, gamma, K, the alignment's warm-up and its reduction over layers: each checked exactly
 # against the slot-by-slot reference (tests/test_objective.py, SETTINGS).
