@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -42,6 +41,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
+
+from scripts.tools.child_runs import offline_env, run_logged  # noqa: E402
 
 STAGES = ("target", "prompts", "regenerate", "tokenize", "token_table", "features", "train",
           "export", "evaluate")
@@ -172,40 +173,6 @@ def write_json(path: Path, data: Any) -> None:
     write_json_atomic(path, data, default=str)
 
 
-def subprocess_env(args: argparse.Namespace) -> dict[str, str]:
-    """Offline, no wandb upload, the shared DeepSpeed op build, the chosen thread count."""
-    env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    # PYTHONUNBUFFERED: a child's prints reach its log as they happen, not when a pipe
-    # buffer fills or the child exits.
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env.setdefault("WANDB_MODE", "offline")
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    return env
-
-
-def run_logged(command: list[str], log: Path, env: dict[str, str]) -> None:
-    """Run `command`, showing its output (progress bars included) and saving it to `log` as
-    it comes (each chunk flushed: the log can be followed while the stage runs)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    print("$ " + " ".join(command), flush=True)
-    with open(log, "wb") as saved:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
-        assert proc.stdout is not None
-        while chunk := proc.stdout.read1(4096):
-            saved.write(chunk)
-            saved.flush()
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
-        code = proc.wait()
-    if code != 0:
-        tail = log.read_bytes()[-2000:].decode("utf-8", "replace")
-        raise DemoError(f"`{' '.join(command[:3])} ...` exited {code}; log: {log}\n{tail}")
-
-
 # ---------------------------------------------------------------------------------- stages
 def stage_target(demo: Demo) -> dict[str, Any]:
     """Assemble (or check) the target; the run id is the target's identity, not a fresh id."""
@@ -323,7 +290,8 @@ def stage_features(demo: Demo) -> dict[str, Any]:
     """The target's context features of every row, once (`python -m data_prep.cache_features`)."""
     shutil.rmtree(demo.path("features"), ignore_errors=True)
     run_logged([sys.executable, "-m", "data_prep.cache_features", *train_overrides(demo)],
-               demo.path("logs", "features.log"), subprocess_env(demo.args))
+               demo.path("logs", "features.log"), "caching the target features",
+               env=offline_env(demo.args.threads), error=DemoError)
     return {"bytes": sum(p.stat().st_size for p in demo.path("features").rglob("*") if p.is_file())}
 
 
@@ -333,7 +301,7 @@ def stage_train(demo: Demo, resume: bool) -> dict[str, Any]:
     if resume:
         overrides.append("checkpoint.resume_from=latest")
     run_logged([sys.executable, "train.py", *overrides], demo.path("logs", "train.log"),
-               subprocess_env(demo.args))
+               "training the draft", env=offline_env(demo.args.threads), error=DemoError)
     info = json.loads(demo.path("train", "final", "training_info.json").read_text())
     return {"simulated_tau": info.get("tau"),
             "simulated_per_position": info.get("acceptance_by_position"), "steps": info["step"]}
@@ -486,19 +454,15 @@ def resolve_draft_shape(args: argparse.Namespace) -> None:
     recipe stays the one source of the draft's shape, and the stage records name it."""
     if args.draft_layers is not None and args.block_size is not None:
         return
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from dspine_train.modeling import DSpineConfig
-    from dspine_train.training.config import register_configs
+    from dspine_train.training.config import ConfigError, compose_train_config
 
-    register_configs()
     try:
-        with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
-            model = compose("config", overrides=[f"recipe={args.recipe}",
-                                                 *args.train_override]).model
-    except (HydraException, OmegaConfBaseException) as err:
+        model = compose_train_config(f"recipe={args.recipe}", *args.train_override).model
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
         raise DemoError(f"training config (--recipe/--train-override): {err}") from err
     if args.draft_layers is None:
         args.draft_layers = model.num_layers or DSpineConfig.num_layers
@@ -508,16 +472,13 @@ def resolve_draft_shape(args: argparse.Namespace) -> None:
 
 def train_config(demo: Demo) -> Any:
     """The composed and validated training config (fails fast on a bad override)."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from dspine_train.training.config import ConfigError, register_configs, to_train_config
+    from dspine_train.training.config import ConfigError, compose_train_config
 
-    register_configs()
     try:
-        with initialize_config_dir(str(REPO / "recipes"), version_base="1.3"):
-            return to_train_config(compose("config", overrides=train_overrides(demo)))
+        return compose_train_config(*train_overrides(demo))
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         raise DemoError(f"training config (--recipe/--train-override): {err}") from err
 
@@ -649,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         resolve_draft_shape(args)
         resolve_dtype(args)
-        os.environ.update({k: v for k, v in subprocess_env(args).items()
+        os.environ.update({k: v for k, v in offline_env(args.threads).items()
                            if k.startswith(("HF_", "TRANSFORMERS_", "TOKENIZERS_"))})
         from data_prep.config import default_target_dir
 

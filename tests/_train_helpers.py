@@ -7,7 +7,6 @@ once per test module, and each module runs the trainer as few times as it can.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,28 +16,16 @@ from pathlib import Path
 import torch
 
 from dspine_train.training.tiny_assets import write_synthetic_dataset, write_tiny_target
+from scripts.tools.child_runs import offline_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def train_env() -> dict[str, str]:
     """Environment of a trainer subprocess: offline, the shared DeepSpeed op build, no wandb."""
-    env = dict(os.environ)
-    env.update(
-        # DeepSpeed JIT-builds a CPU comm op (slow); the Makefile keeps it here, built once.
-        TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        WANDB_MODE="offline",
-        TOKENIZERS_PARALLELISM="false",
-        # Tiny models: one thread each is fastest, and keeps a busy 2-core machine usable.
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(REPO),
-    )
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # a test must not inherit a launcher's world
-    return env
+    # Tiny models: one thread each is fastest, and keeps a busy 2-core machine usable; a test
+    # must not inherit a launcher's world, nor upload to wandb whatever the shell says.
+    return {**offline_env(threads=1, drop_launcher=True), "WANDB_MODE": "offline"}
 
 
 def run_module(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -116,10 +103,3 @@ def build_tiny_assets(root: Path) -> dict[str, Path]:
 # recipes whose target is not on this machine and ships no config under recipes/targets/.
 DEFAULT_TARGET = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                       num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
-
-
-def compose_recipe(*overrides: str):
-    """The typed `TrainConfig` that `train.py <overrides>` composes (nothing runs)."""
-    from scripts.tools.ablation.study import compose_train_config
-
-    return compose_train_config(overrides)

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from device_harness import DEVICE_TYPE, accelerator  # noqa: E402
 
 from dspine_train.training import trainer as trainer_module  # noqa: E402
-from scripts.tools.ablation.study import compose_train_config  # noqa: E402
+from dspine_train.training.config import compose_train_config  # noqa: E402
 
 
 def _put_accelerate_on(device: torch.device) -> None:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    config = compose_train_config(args.overrides)
+    config = compose_train_config(*args.overrides)
     per_batch: list[int] = []
     sites: list[list[str]] = []
     positions: list[int] = []  # token positions of each micro-batch (B x S)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from scripts.tools.ablation.runner import BUDGET_KEYS
 from scripts.tools.ablation.variants import VARIANTS, select_variants
+from tests._train_helpers import train_env
 
 # The smoke study (one module fixture) trains and evaluates five variants: slow on a CPU.
 SLOW = pytest.mark.slow
@@ -37,14 +37,8 @@ def run_ablate(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     The timeout only guards against a hang: in a fresh clone the smoke study also JIT-builds
     DeepSpeed's CPU op first, which takes a while.
     """
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-               TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT"):
-        env.pop(key, None)  # a launcher's world must not leak into the trainer runs
     return subprocess.run([sys.executable, str(REPO / "scripts" / "ablate.py"), *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+                          env=train_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
@@ -334,7 +328,7 @@ def test_a_foreign_folder_of_a_derived_variant_is_refused_before_training(
 
     ran: list = []
 
-    def fake_train(args, log_path, what, echo=True):  # leaves an export, as train.py does
+    def fake_train(args, log_path, what, **_):  # leaves an export, as train.py does
         ran.append(args)
         export = Path(next(a for a in args if a.startswith("output_dir="))[11:]) / "final"
         export.mkdir(parents=True)

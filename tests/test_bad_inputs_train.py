@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
 from dspine_train.engine import CheckpointError
@@ -29,28 +28,25 @@ from dspine_train.training.checkpointing import (
     verify_manifest,
     write_manifest,
 )
-from dspine_train.training.config import ConfigError, register_configs, to_train_config
+from dspine_train.training.config import (
+    ConfigError,
+    compose_train_config,
+)
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.target import used_vocab_size
 from dspine_train.training.tiny_assets import TINY_VOCAB, tiny_target_config
 from tests._data_helpers import QWEN3_TEMPLATE, word_level_tokenizer
-from tests._train_helpers import REPO, check_ok, run_train, tiny_overrides
+from tests._train_helpers import check_ok, run_train, tiny_overrides
 
 STEPS = 4  # the shared run: checkpoints at steps 2 and 4
 
 
 # ---------------------------------------------------------------------------- config keys
-def _compose(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        return to_train_config(compose("config", overrides=list(overrides)))
-
-
 @pytest.mark.parametrize("override", ["+optim.lrr=5", "+model.layers=3", "+seeds=1"])
 def test_appended_keys_are_rejected_naming_the_key(override: str) -> None:
     key = override[1:].split("=")[0]
     with pytest.raises(ConfigError, match=rf"^{key}: not a setting of the training schema"):
-        _compose("recipe=tiny", override)
+        compose_train_config("recipe=tiny", override)
 
 
 def test_cli_rejects_an_appended_key_in_one_line(tmp_path: Path) -> None:

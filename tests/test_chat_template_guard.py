@@ -125,13 +125,11 @@ def test_engine_cli_takes_chat_template_kwargs(qwen3_world, tmp_path):
 def test_the_training_rows_template_travels_with_the_export(qwen3_world, tmp_path):
     """tokenize report -> trainer's draft config -> export -> the engine renders the same."""
     from _data_helpers import chat_row, write_jsonl
-    from _train_helpers import REPO
-    from hydra import compose, initialize_config_dir
 
     from data_prep.tokenize import tokenize_files
     from dspine_train.chat_template import chat_template_fingerprint
     from dspine_train.modeling import DSpineDraftModel
-    from dspine_train.training.config import register_configs, to_train_config
+    from dspine_train.training.config import compose_train_config
     from dspine_train.training.inputs import check_inputs
 
     root, tokenizer = qwen3_world["root"], qwen3_world["tokenizer"]
@@ -141,12 +139,10 @@ def test_the_training_rows_template_travels_with_the_export(qwen3_world, tmp_pat
     report = tokenize_files([rows], tokenizer, tmp_path / "data", eval_fraction=0,
                             chat_template_kwargs=thinking_off)
     assert report["settings"]["chat_template_fingerprint"] == chat_template_fingerprint(tokenizer)
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        config = to_train_config(compose("config", overrides=[
-            "recipe=tiny", f"model.target_path={root / 'target'}",
-            "model.tiny_random_target=false", "data.synthetic=false",
-            f"data.train_path={tmp_path / 'data'}", f"model.mask_token_id={len(tokenizer)}"]))
+    config = compose_train_config(
+        "recipe=tiny", f"model.target_path={root / 'target'}",
+        "model.tiny_random_target=false", "data.synthetic=false",
+        f"data.train_path={tmp_path / 'data'}", f"model.mask_token_id={len(tokenizer)}")
     draft_config = check_inputs(config).draft_config
     assert draft_config.chat_template_kwargs == thinking_off
     assert draft_config.chat_template_fingerprint == chat_template_fingerprint(tokenizer)

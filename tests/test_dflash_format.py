@@ -23,14 +23,16 @@ from _engine_helpers import (
     train_draft_briefly,
 )
 from dflash.model import DFlashDraftModel
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from dspine_train.engine import Engine
 from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
-from dspine_train.training.config import ConfigError, register_configs, to_train_config
+from dspine_train.training.config import (
+    ConfigError,
+    compose_train_config,
+)
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.planning import plan_draft_config
 from scripts.tools.bench.reference_parity import (
@@ -92,23 +94,17 @@ def test_method_dflash_fixes_the_network_decode_and_terms(world):
                              block_attention="bidirectional")
 
 
-def _compose(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        return to_train_config(compose("config", overrides=list(overrides)))
-
-
 def test_recipe_method_is_one_setting():
-    config = plan_draft_config(_compose("recipe=tiny", "model.method=dflash"))
+    config = plan_draft_config(compose_train_config("recipe=tiny", "model.method=dflash"))
     assert (config.method, config.injection, config.transition_cache) == ("dflash", False, False)
     with pytest.raises(TrainingError, match="alignment_weight=0.3"):
-        plan_draft_config(_compose("recipe=tiny", "model.method=dflash",
-                                   "model.alignment_weight=0.3"))
+        plan_draft_config(compose_train_config("recipe=tiny", "model.method=dflash",
+                                               "model.alignment_weight=0.3"))
     # the trainer's export in DFlash's format needs a DFlash draft, refused before any work
     with pytest.raises(ConfigError, match=r"export.format: dflash needs model.method: dflash"):
-        _compose("recipe=tiny", "export.format=dflash")
-    assert _compose("recipe=tiny", "export.format=dflash", "model.method=dflash").export.format \
-        == "dflash"
+        compose_train_config("recipe=tiny", "export.format=dflash")
+    config = compose_train_config("recipe=tiny", "export.format=dflash", "model.method=dflash")
+    assert config.export.format == "dflash"
 
 
 # ----------------------------------------------------------------------------- export

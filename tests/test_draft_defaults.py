@@ -12,12 +12,11 @@ from hydra.errors import ConfigCompositionException
 from transformers import Qwen2Config
 
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
-from dspine_train.training.config import ModelConfig, TrainConfig
+from dspine_train.training.config import ModelConfig, TrainConfig, compose_train_config
 from dspine_train.training.inputs import check_inputs
 from dspine_train.training.planning import memory_plan_for, plan_draft_config
 from dspine_train.training.tiny_assets import tiny_target_config
 from tests._train_helpers import DEFAULT_TARGET, REPO
-from tests._train_helpers import compose_recipe as _compose
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 
@@ -94,11 +93,11 @@ def test_schema_draft_fields_are_dspine_fields_with_no_default_of_their_own() ->
 
 @pytest.mark.parametrize("name", list(DSpineConfig.draft_fields()))
 def test_every_draft_field_reaches_the_draft_from_the_command_line(name: str) -> None:
-    recipe = _compose("recipe=tiny")
+    recipe = compose_train_config("recipe=tiny")
     # the value the recipe's draft has (a field `method` fixes defaults to None: the method's)
     base = getattr(plan_draft_config(recipe), name)
     value = _other_value(name, base)
-    config = _compose("recipe=tiny", f"model.{name}={_hydra(value)}")
+    config = compose_train_config("recipe=tiny", f"model.{name}={_hydra(value)}")
     assert getattr(plan_draft_config(config), name) == value
 
 
@@ -110,13 +109,13 @@ def test_every_draft_field_reaches_the_draft_from_the_command_line(name: str) ->
 def test_draft_fields_keep_their_types(override: str) -> None:
     key = override.split("=")[0]
     with pytest.raises(ConfigCompositionException, match=key):
-        _compose("recipe=tiny", override)
+        compose_train_config("recipe=tiny", override)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_no_recipe_restates_a_dspine_default(recipe: str, tmp_path: Path, tiny_assets: dict) -> None:
     """Every draft field a recipe sets changes the draft `DSpineConfig.from_target` builds."""
-    config = _with_readable_target(_compose(f"recipe={recipe}"), tmp_path, tiny_assets)
+    config = _with_readable_target(compose_train_config(f"recipe={recipe}"), tmp_path, tiny_assets)
     draft = plan_draft_config(config).to_dict()
     restated = []
     for name in config.model.draft_overrides():
@@ -128,8 +127,9 @@ def test_no_recipe_restates_a_dspine_default(recipe: str, tmp_path: Path, tiny_a
 
 @pytest.mark.parametrize("extra", [(), ("model.attention_bias=true",)])
 def test_plan_draft_is_the_trainers_draft(tiny_assets: dict, tmp_path: Path, extra) -> None:
-    config = _compose("recipe=tiny", f"model.target_path={tiny_assets['target']}",
-                      f"data.train_path={tiny_assets['data']}", f"output_dir={tmp_path}", *extra)
+    config = compose_train_config(
+        "recipe=tiny", f"model.target_path={tiny_assets['target']}",
+        f"data.train_path={tiny_assets['data']}", f"output_dir={tmp_path}", *extra)
     trainer_draft = check_inputs(config).draft_config
     assert plan_draft_config(config).to_dict() == trainer_draft.to_dict()
     # and the plan counts that draft's parameters

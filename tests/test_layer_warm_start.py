@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from dspine_train.formats import load_draft
 from dspine_train.modeling import DSpineDraftModel
 from dspine_train.token_table import build_token_table
-from dspine_train.training.config import ConfigError, ModelConfig
+from dspine_train.training.config import ConfigError, ModelConfig, compose_train_config
 from dspine_train.training.draft_builder import build_draft, draft_config_for
 from dspine_train.training.errors import TrainingError
-from tests._train_helpers import check_ok, compose_recipe, run_module, run_train, tiny_overrides
+from tests._train_helpers import check_ok, run_module, run_train, tiny_overrides
 
 SMALL = dict(num_layers=2, transfer_dim=16, message_size=16, candidate_k=4)
 LAYERS = [4, 1]  # draft layer 0 <- target layer 4, draft layer 1 <- target layer 1
@@ -85,7 +85,8 @@ def test_a_bad_layer_choice_is_refused_by_name(world, layers, message):
 
 def test_warm_start_layers_with_init_from_is_refused(world, tmp_path):
     with pytest.raises(ConfigError, match=r"model\.warm_start_layers and model\.init_from"):
-        compose_recipe("recipe=tiny", f"model.init_from={tmp_path}", "model.warm_start_layers=[2,3]")
+        compose_train_config("recipe=tiny", f"model.init_from={tmp_path}",
+                             "model.warm_start_layers=[2,3]")
     with pytest.raises(TrainingError, match=r"model\.warm_start_layers and model\.init_from"):
         _draft(world, warm_start_layers=LAYERS, init_from=str(tmp_path))
 
@@ -93,8 +94,8 @@ def test_warm_start_layers_with_init_from_is_refused(world, tmp_path):
 def test_the_study_variant_composes():
     from scripts.tools.ablation.study_variants import STUDY_VARIANTS
 
-    config = compose_recipe("recipe=qwen2.5_coder_0.5b",
-                            *STUDY_VARIANTS["dspine_warm_start"].hydra_overrides())
+    config = compose_train_config("recipe=qwen2.5_coder_0.5b",
+                                  *STUDY_VARIANTS["dspine_warm_start"].hydra_overrides())
     assert config.model.warm_start_layers == [22, 23]
 
 

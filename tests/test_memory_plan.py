@@ -12,6 +12,7 @@ import dspine_train.modeling.modeling_dspine as md
 from dspine_train import DSpineConfig, DSpineDraftModel
 from dspine_train.modeling.attention_masks import training_mask_mod
 from dspine_train.objective import full_vocab_terms, sample_anchors
+from dspine_train.training.config import compose_train_config
 from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.memory_plan import (
     GIB,
@@ -21,23 +22,15 @@ from dspine_train.training.memory_plan import (
     estimate_memory,
     target_parameter_count,
 )
+from dspine_train.training.tiny_assets import tiny_target_config
 from tests._model_helpers import USED_VOCAB, context_features, tiny_draft, tiny_target
 
-# H=64, q=4*16=64, kv=2*16=32, I=128, V=512, L=4.
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-)
 N, R, M = 2, 16, 8  # draft layers, transfer_dim, message_size
 
 
 def tiny_config(**overrides) -> Qwen3Config:
-    return Qwen3Config(**{**TINY, **overrides})
+    """The tiny target: H=64, q=4*16=64, kv=2*16=32, I=128, V=512, L=4."""
+    return tiny_target_config(**overrides)
 
 
 def plan(**overrides):
@@ -90,9 +83,7 @@ def test_plan_counts_the_recipes_draft_as_built(tmp_path):
         plan_draft_config,
         plan_target_config,
     )
-    from tests._train_helpers import compose_recipe
-
-    config = compose_recipe("recipe=tiny", f"output_dir={tmp_path}/out")
+    config = compose_train_config("recipe=tiny", f"output_dir={tmp_path}/out")
     draft_config = plan_draft_config(config, plan_target_config(config))
     with torch.device("meta"):
         draft = DSpineDraftModel(draft_config)

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from transformers import Qwen2Config
 
 from dspine_train import DSpineConfig
+from dspine_train.training.config import compose_train_config
 from dspine_train.training.planning import plan_draft_config
 from tests._train_helpers import DEFAULT_TARGET, REPO
-from tests._train_helpers import compose_recipe as _compose
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def target_config(tmp_path_factory) -> Path:
 
 
 def _demo_draft(target_config: Path, *overrides: str):
-    config = _compose("recipe=qwen2.5_coder_0.5b", *overrides)
+    config = compose_train_config("recipe=qwen2.5_coder_0.5b", *overrides)
     config = dataclasses.replace(config, model=dataclasses.replace(
         config.model, target_config_path=str(target_config)))
     return config, plan_draft_config(config)

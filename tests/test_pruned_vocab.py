@@ -277,14 +277,8 @@ def test_the_trainer_prunes_trains_on_cached_topk_and_exports_the_map(tiny_asset
     ("data.target_topk=-1", "data.target_topk must be >= 0"),
 ])
 def test_config_refuses_a_pruned_dflash_export_and_a_negative_topk(override, message):
-    from hydra import compose, initialize_config_dir
+    from dspine_train.training.config import ConfigError, compose_train_config
 
-    from dspine_train.training.config import ConfigError, register_configs, to_train_config
-    from tests._train_helpers import REPO
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        cfg = compose("config", overrides=["recipe=tiny", "model.method=dflash",
-                                           "model.draft_vocab_size=300", override])
     with pytest.raises(ConfigError, match=message):
-        to_train_config(cfg)
+        compose_train_config("recipe=tiny", "model.method=dflash", "model.draft_vocab_size=300",
+                             override)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dspine_train.training.block_stats import BlockResults, paired_difference
+from dspine_train.training.config import compose_train_config
 from dspine_train.training.planning import plan_draft_config
 from scripts.tools.ablation import runner, study
 from scripts.tools.ablation.runner import AblationError
@@ -36,7 +37,6 @@ from scripts.tools.ablation.study_variants import (
     StudyVariant,
     select_study_variants,
 )
-from tests._train_helpers import compose_recipe
 
 
 def tiny_settings(tmp_path: Path, tiny_assets: dict | None = None, **kw) -> StudySettings:
@@ -74,7 +74,7 @@ def test_each_variant_composes_to_a_draft_that_differs_where_it_says(tmp_path: P
     settings = tiny_settings(tmp_path)
 
     def composed(name: str):
-        config = compose_recipe(*settings.train_arguments(STUDY_VARIANTS[name]))
+        config = compose_train_config(*settings.train_arguments(STUDY_VARIANTS[name]))
         return config, plan_draft_config(config)
 
     base_config, base = composed("dspine")
@@ -84,7 +84,7 @@ def test_each_variant_composes_to_a_draft_that_differs_where_it_says(tmp_path: P
     assert dflash.block_attention == "bidirectional" != base.block_attention
     assert config.data == base_config.data and config.optim == base_config.optim
     for name in names[1:]:  # every variant changes the run it is compared with
-        config = compose_recipe(*settings.train_arguments(STUDY_VARIANTS[name]))
+        config = compose_train_config(*settings.train_arguments(STUDY_VARIANTS[name]))
         assert config.output_dir != base_config.output_dir, name  # a folder of its own
         assert dataclasses.replace(config, output_dir=base_config.output_dir) != base_config, name
 
@@ -107,7 +107,7 @@ def test_finished_variants_are_skipped_and_a_killed_one_resumes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     calls: list[list[str]] = []
 
-    def fake_run(args, log_path, what, echo=True):
+    def fake_run(args, log_path, what, **_):
         calls.append(list(args))
         fake_export(Path(next(a for a in args if a.startswith("output_dir="))[11:]))
 
@@ -476,7 +476,7 @@ def test_steps_refuses_batches_it_would_not_time(tmp_path: Path) -> None:
 def _no_work(monkeypatch: pytest.MonkeyPatch) -> list:
     """Fakes for everything `run_study` runs; the returned list records what it ran."""
     ran: list = []
-    def fake_run(args, log_path, what, echo=True):  # a train.py run: its log, nothing else
+    def fake_run(args, log_path, what, **_):  # a train.py run: its log, nothing else
         ran.append(list(args))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("train: 4/4 [00:04<00:00, 1.00s/step]\n")

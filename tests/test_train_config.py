@@ -7,30 +7,22 @@ import functools
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from dspine_train.training.config import (
     ConfigError,
     Precision,
     TrainConfig,
-    register_configs,
-    to_train_config,
+    compose_train_config,
 )
 from tests._train_helpers import REPO, run_train
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 
 
-def _compose(*overrides: str) -> TrainConfig:
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        return to_train_config(compose("config", overrides=list(overrides)))
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_into_the_schema(recipe: str) -> None:
-    config = _compose(f"recipe={recipe}")
+    config = compose_train_config(f"recipe={recipe}")
     assert isinstance(config, TrainConfig) and config.name == recipe
     assert config.model.target_path and config.data.train_path
     assert config.output_dir == f"outputs/{recipe}"
@@ -55,7 +47,7 @@ PUBLISHED_RUN = {"optim.lr": 6e-4, "optim.warmup_ratio": 0.04, "optim.epochs": 6
 def test_qwen3_8b_composes_to_the_published_setting() -> None:
     from dspine_train.training.planning import plan_draft_config
 
-    c = _compose("recipe=qwen3_8b")
+    c = compose_train_config("recipe=qwen3_8b")
     draft = plan_draft_config(c)  # the recipe's draft fields over DSpineConfig's defaults
     assert {name: getattr(draft, name) for name in PUBLISHED_DRAFT} == PUBLISHED_DRAFT
     run = {key: functools.reduce(getattr, key.split("."), c) for key in PUBLISHED_RUN}
@@ -63,8 +55,8 @@ def test_qwen3_8b_composes_to_the_published_setting() -> None:
 
 
 def test_fields_and_groups_override_from_the_command_line() -> None:
-    c = _compose("recipe=tiny", "deepspeed=zero3", "optim.lr=0.5", "model.injection=false",
-                 "model.block_attention=bidirectional")
+    c = compose_train_config("recipe=tiny", "deepspeed=zero3", "optim.lr=0.5",
+                             "model.injection=false", "model.block_attention=bidirectional")
     assert c.deepspeed.stage == 3 and c.deepspeed.config_file == "deepspeed/zero3.json"
     assert c.optim.lr == 0.5
     assert c.model.draft_overrides()["injection"] is False
@@ -81,14 +73,14 @@ def test_fields_and_groups_override_from_the_command_line() -> None:
 )
 def test_unknown_keys_and_wrong_types_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigCompositionException, match=message):
-        _compose("recipe=tiny", override)
+        compose_train_config("recipe=tiny", override)
 
 
 def test_out_of_range_values_name_the_field() -> None:
     with pytest.raises(ConfigError, match="deepspeed.stage must be 2 or 3"):
-        _compose("recipe=tiny", "deepspeed.stage=1")
+        compose_train_config("recipe=tiny", "deepspeed.stage=1")
     with pytest.raises(ConfigError, match="optim.warmup_ratio"):
-        _compose("recipe=tiny", "optim.warmup_ratio=1.5")
+        compose_train_config("recipe=tiny", "optim.warmup_ratio=1.5")
 
 
 def test_cli_rejects_an_unknown_key_before_any_work(tmp_path: Path) -> None:
@@ -108,11 +100,11 @@ def test_plan_only_sizes_the_8b_recipe_without_weights(tmp_path: Path) -> None:
 def test_plan_device_picks_the_attention_path_the_plan_counts() -> None:
     from dspine_train.training.planning import memory_plan_for
 
-    gpu = memory_plan_for(_compose("recipe=qwen3_8b"))
-    cpu = memory_plan_for(_compose("recipe=qwen3_8b", "plan_device=cpu"))
+    gpu = memory_plan_for(compose_train_config("recipe=qwen3_8b"))
+    cpu = memory_plan_for(compose_train_config("recipe=qwen3_8b", "plan_device=cpu"))
     assert gpu.attention_path == "flex" and cpu.attention_path == "dense"
     assert "compiled flex attention" in gpu.table()
     # 8192 queries x 11264 keys: the dense masks (1 + 5 layers * 2 bytes) are GiB, flex's tiles KiB
     assert cpu.item("attention masks (dense)").bytes == 8192 * 11264 * (1 + 5 * 2)
     assert gpu.item("attention block mask (flex)").bytes < 2**20
-    assert memory_plan_for(_compose("recipe=tiny")).attention_path == "dense"
+    assert memory_plan_for(compose_train_config("recipe=tiny")).attention_path == "dense"

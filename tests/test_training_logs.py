@@ -3,17 +3,13 @@ stage runs."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
 from pathlib import Path
 
 from dspine_train.training.tracking import progress_line
-from tests._train_helpers import REPO
-
-sys.path.insert(0, str(REPO / "scripts"))
-import demo  # noqa: E402  (scripts/demo.py)
+from scripts.tools.child_runs import run_logged
 
 
 def test_progress_line_shows_seconds_per_step_beside_tokens_per_second() -> None:
@@ -24,7 +20,7 @@ def test_progress_line_shows_seconds_per_step_beside_tokens_per_second() -> None
     assert "812 tokens/s | 3.40 s/step" in line
 
 
-def test_demo_stage_log_is_written_as_the_stage_runs(tmp_path: Path) -> None:
+def test_a_stage_log_is_written_as_the_stage_runs(tmp_path: Path) -> None:
     """The child prints a line, then waits for a file: its line must be in the log by then."""
     log, release = tmp_path / "logs" / "train.log", tmp_path / "release"
     child = ("import pathlib, time\n"
@@ -34,9 +30,8 @@ def test_demo_stage_log_is_written_as_the_stage_runs(tmp_path: Path) -> None:
              "    if p.exists(): break\n"
              "    time.sleep(0.05)\n"
              "print('step 2/2 | loss 0.5')\n")
-    env = demo.subprocess_env(argparse.Namespace(threads=None))
-    runner = threading.Thread(target=demo.run_logged,
-                              args=([sys.executable, "-c", child], log, env))
+    runner = threading.Thread(target=run_logged,
+                              args=([sys.executable, "-c", child], log, "the child"))
     runner.start()
     try:
         deadline = time.monotonic() + 20

@@ -28,7 +28,6 @@ from _engine_helpers import (
     train_draft_briefly,
 )
 from dflash.model import DFlashDraftModel
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from dspine_train.engine import Engine
@@ -36,7 +35,10 @@ from dspine_train.formats import export_dir, load_draft, write_format
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.modeling.transition_cache import top_candidates, transition_table
 from dspine_train.token_table import build_token_table
-from dspine_train.training.config import ModelConfig, register_configs, to_train_config
+from dspine_train.training.config import (
+    ModelConfig,
+    compose_train_config,
+)
 from dspine_train.training.draft_builder import build_draft, draft_config_for
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.planning import plan_draft_config
@@ -44,7 +46,7 @@ from scripts.tools.bench.reference_parity import (
     record_engine_rounds,
     reference_block_logits,
 )
-from tests._train_helpers import REPO, check_ok, run_train, tiny_overrides
+from tests._train_helpers import check_ok, run_train, tiny_overrides
 
 VOCAB = 200  # ids the tokenizer uses; the mask token is 200
 NEW = 24
@@ -285,23 +287,18 @@ PUBLISHED_8B = {
 }
 
 
-def _compose(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        return to_train_config(compose("config", overrides=list(overrides)))
-
-
 def test_the_published_qwen3_8b_draft_fits_the_qwen3_8b_recipe(tmp_path):
     """docs/TRAINING.md's warm-start line, planned from configs only: the recipe leaves the structure
     to the checkpoint and trains DSpine; the 4B recipe refuses the 8B draft by name."""
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_8B))
-    draft = plan_draft_config(_compose("recipe=qwen3_8b", f"model.init_from={tmp_path}"))
+    config = compose_train_config("recipe=qwen3_8b", f"model.init_from={tmp_path}")
+    draft = plan_draft_config(config)
     assert (draft.method, draft.block_attention, draft.injection) == ("dspine", "causal", True)
     assert (draft.num_layers, draft.block_size, draft.target_layer_ids, draft.mask_token_id) == (
         5, 16, [1, 9, 17, 25, 33], 151669)
     with pytest.raises(TrainingError, match=r"another target: .*hidden_size=4096 "
                                             r"\(this target: 2560\)"):
-        plan_draft_config(_compose("recipe=qwen3_4b", f"model.init_from={tmp_path}"))
+        plan_draft_config(compose_train_config("recipe=qwen3_4b", f"model.init_from={tmp_path}"))
 
 
 # ----------------------------------------------------------------------------- train.py
@@ -329,8 +326,8 @@ def _tiny_dflash_checkpoint(target, out, **block) -> None:
 
 def test_the_tiny_recipe_refuses_a_checkpoint_of_another_structure(tiny_assets, tmp_path):
     _tiny_dflash_checkpoint(tiny_assets["target"], tmp_path / "b4", block_size=4)
-    config = _compose("recipe=tiny", f"model.target_path={tiny_assets['target']}",
-                      f"model.init_from={tmp_path / 'b4'}")
+    config = compose_train_config("recipe=tiny", f"model.target_path={tiny_assets['target']}",
+                                  f"model.init_from={tmp_path / 'b4'}")
     with pytest.raises(TrainingError, match=r"model\.block_size=8 \(the checkpoint has 4\)"):
         plan_draft_config(config)
 

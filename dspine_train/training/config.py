@@ -17,6 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -24,6 +25,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
+
+# `recipes/` beside the package in a checkout: `train.py`'s Hydra config path
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
 class ConfigError(ValueError):
@@ -385,6 +389,19 @@ class TrainConfig:
 def register_configs() -> None:
     """Register the schema as `train_schema` (the base of `recipes/config.yaml`)."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def compose_train_config(*overrides: str) -> TrainConfig:
+    """The validated `TrainConfig` that `python train.py <overrides>` runs, composed without
+    running anything (no Hydra app, no output directory). Hydra's errors (an unknown key, a
+    wrong type) and `ConfigError` (a value out of range) name the key."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()  # callable again, and from inside another Hydra app
+    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
+        return to_train_config(compose(config_name="config", overrides=list(overrides)))
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:

@@ -26,10 +26,8 @@ from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import InitProcessGroupKwargs
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from .config import Precision, TrainConfig
+from .config import RECIPES_DIR, Precision, TrainConfig
 from .errors import TrainingError
-
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def _free_port() -> int:

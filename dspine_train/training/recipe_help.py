@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+from .config import RECIPES_DIR
 
 
 def recipes_help(doc: str, recipes_dir: Path = RECIPES_DIR) -> str:

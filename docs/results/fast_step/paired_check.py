@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from dspine_train.formats import load_draft  # noqa: E402
 from dspine_train.objective import sample_anchors  # noqa: E402
+from dspine_train.training.config import compose_train_config  # noqa: E402
 from dspine_train.training.data import TokenBatches  # noqa: E402
 from dspine_train.training.draft_step import DraftStep  # noqa: E402
 from dspine_train.training.evaluation import (  # noqa: E402
@@ -31,17 +32,16 @@ from dspine_train.training.evaluation import (  # noqa: E402
 from dspine_train.training.inputs import check_inputs  # noqa: E402
 from dspine_train.training.offline_features import OfflineFeatures, cache_identity  # noqa: E402
 from dspine_train.training.target import read_embedding_and_head  # noqa: E402
-from scripts.tools.bench.step_bench import compose_recipe  # noqa: E402
 
 ART = "artifacts"
 
 
 def main() -> None:
     first, second, features = sys.argv[1:4]
-    cfg = compose_recipe("qwen2.5_coder_0.5b", [
-        f"model.target_path={ART}/default_target",
+    cfg = compose_train_config(
+        "recipe=qwen2.5_coder_0.5b", f"model.target_path={ART}/default_target",
         f"model.token_table_path={ART}/demo/token_table.safetensors",
-        f"data.train_path={ART}/demo/data/tokenized", f"data.offline_features_dir={features}"])
+        f"data.train_path={ART}/demo/data/tokenized", f"data.offline_features_dir={features}")
     inputs = check_inputs(cfg)
     embed, head = read_embedding_and_head(cfg.model.target_path)
     batches = TokenBatches(inputs.eval, cfg.data.max_length, inputs.draft_config.vocab_size,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +31,7 @@ from typing import Any
 
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
 from dspine_train.training.block_stats import BlockResults
-from scripts.tools import REPO
+from scripts.tools.child_runs import run_logged
 
 from .variants import Variant
 
@@ -140,47 +139,6 @@ class AblationSettings:
                                                 "max_prompt_chars")}
 
 
-def subprocess_env() -> dict[str, str]:
-    """Environment of the stage subprocesses: offline, no wandb login, the repo importable."""
-    env = dict(os.environ)
-    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        env.setdefault(key, "1")
-    env.setdefault("WANDB_MODE", "offline")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # DeepSpeed JIT-builds a CPU comm op once; keep it where the Makefile and the tests keep it.
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def run_logged(args: Sequence[str], log_path: Path, what: str, echo: bool = True) -> None:
-    """Run `python <args>` from the repo root, its output into `log_path` (and echoed live).
-
-    Raises `AblationError` with the log's path when it exits non-zero.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, *args]
-    # Appended: a resumed stage keeps the log of its interrupted session.
-    with log_path.open("ab") as log:
-        log.write(f"$ {subprocess.list2cmdline(command)}\n".encode())
-        log.flush()
-        if not echo:
-            code = subprocess.run(command, cwd=REPO, env=subprocess_env(), stdout=log,
-                                  stderr=subprocess.STDOUT, check=False).returncode
-        else:
-            proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(),
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            assert proc.stdout is not None  # PIPE above
-            # Raw chunks, not lines: tqdm redraws its bar with carriage returns.
-            while chunk := proc.stdout.read1(4096):
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.buffer.flush()
-                log.write(chunk)
-            code = proc.wait()
-    if code != 0:
-        raise AblationError(f"{what} failed (exit {code}); its output is in {log_path}")
-
-
 def ensure_features(settings: AblationSettings) -> None:
     """Compute the target's features once into the shared cache (skipped when present)."""
     if (settings.features_dir / "train" / "index.json").is_file():
@@ -271,7 +229,8 @@ def train_variant(
     print(f"[ablate] {variant.name}: training {settings.steps} steps ({variant.description})"
           + (f", resuming at step {resumed}" if resumed else ""))
     start = time.perf_counter()
-    run_logged(["train.py", *arguments], run_dir / "train.log", f"training {variant.name}", echo)
+    run_logged([sys.executable, "train.py", *arguments], run_dir / "train.log",
+               f"training {variant.name}", echo=echo, error=AblationError)
     # the wall time of this session: the steps from `resumed_from_step` on
     timing = {"train_wall_s": time.perf_counter() - start, "resumed_from_step": resumed,
               "side_by_side": side_by_side, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}

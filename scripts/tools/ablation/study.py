@@ -39,6 +39,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,9 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from dspine_train.training.block_stats import BlockResults, paired_difference
+from dspine_train.training.config import compose_train_config
+from scripts.tools import REPO
+from scripts.tools.child_runs import run_logged
 
 from .runner import (
-    REPO,
     REQUEST_FILE,
     RUN_CONFIG,
     AblationError,
@@ -57,7 +60,6 @@ from .runner import (
     claim_run_dir,
     ensure_features,
     harness_evaluator,
-    run_logged,
     train_variant,
     written_here,
 )
@@ -144,20 +146,6 @@ class StudySettings(AblationSettings):
 
 
 # ------------------------------------------------------------------------- variant checks
-def compose_train_config(overrides: Sequence[str]) -> Any:
-    """The typed `TrainConfig` that `train.py <overrides>` would run (composed, not run)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from dspine_train.training.config import register_configs, to_train_config
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return to_train_config(cfg)
-
-
 def check_variant_overrides(settings: StudySettings, variants: Sequence[StudyVariant]) -> None:
     """Compose every variant's config and derive its draft config, before anything trains.
 
@@ -174,7 +162,7 @@ def check_variant_overrides(settings: StudySettings, variants: Sequence[StudyVar
     problems = []
     for variant in variants:
         try:
-            config = compose_train_config(settings.train_arguments(variant))
+            config = compose_train_config(*settings.train_arguments(variant))
             m = config.model
             target = load_target_config(m.target_path, m.trust_remote_code)
             used = used_vocab_size(m.target_path, target.vocab_size, m.used_vocab_size)
@@ -236,8 +224,8 @@ def measure_plan(settings: StudySettings, variants: Sequence[StudyVariant],
                       "eval.max_blocks=8", "checkpoint.every=0"]
         claim_run_dir(run_dir, arguments)  # marks the folder as the study's
         start = time.perf_counter()
-        run_logged(["train.py", *arguments], run_dir / "train.log",
-                   f"measuring {variant.name}'s step time", echo=False)
+        run_logged([sys.executable, "train.py", *arguments], run_dir / "train.log",
+                   f"measuring {variant.name}'s step time", echo=False, error=AblationError)
         wall = time.perf_counter() - start
         rate = seconds_per_step((run_dir / "train.log").read_text(errors="replace"))
         # without a bar (a changed trainer), the whole run's wall time is an upper bound
@@ -536,7 +524,7 @@ def data_meta(settings: StudySettings) -> dict[str, Any] | None:
     """The study data's meta.json (settings, regeneration dtype, stage wall times), if any."""
     from .report import data_summary
 
-    config = compose_train_config(settings.shared_overrides())
+    config = compose_train_config(*settings.shared_overrides())
     meta_path = Path(config.data.train_path).parent.parent / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
     return {"train_path": config.data.train_path, "splits": data_summary(config.data.train_path),

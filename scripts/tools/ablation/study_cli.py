@@ -169,7 +169,9 @@ def started(archive: Path) -> str:
 
 def run_command(args: argparse.Namespace) -> int:
     """`run`: the study (or its smoke run)."""
-    from .study import StudyError, StudySettings, compose_train_config, run_study
+    from dspine_train.training.config import compose_train_config
+
+    from .study import StudyError, StudySettings, run_study
     from .study_variants import select_study_variants
 
     data = data_settings(args)
@@ -188,7 +190,7 @@ def run_command(args: argparse.Namespace) -> int:
         features = args.demo / "features"
     else:
         features = args.root / "features"
-    config = compose_train_config([*overrides, f"data.offline_features_dir={features}"])
+    config = compose_train_config(*overrides, f"data.offline_features_dir={features}")
     if not Path(config.data.train_path).exists():
         raise StudyError(f"data.train_path {config.data.train_path}: the study data is not "
                          "ready; run `python scripts/study.py data` first (it resumes)")
@@ -214,8 +216,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 def steps_command(args: argparse.Namespace) -> int:
     """`steps`: every variant's training step, interleaved in this process."""
+    from dspine_train.training.config import compose_train_config
+
     from .report import git_commit
-    from .study import STEP_TIMES_FILE, StudyError, StudySettings, compose_train_config
+    from .study import STEP_TIMES_FILE, StudyError, StudySettings
     from .study_report import step_lines
     from .study_steps import time_steps, write_step_times
     from .study_variants import STUDY_VARIANTS, select_study_variants
@@ -225,7 +229,7 @@ def steps_command(args: argparse.Namespace) -> int:
     variants = select_study_variants(names)
     features = args.root / "features"
     overrides = [f"recipe={RECIPE}", f"seed={args.seed}", *shared_overrides(args, data)]
-    config = compose_train_config([*overrides, f"data.offline_features_dir={features}"])
+    config = compose_train_config(*overrides, f"data.offline_features_dir={features}")
     if not Path(config.data.train_path).exists() or not features.is_dir():
         raise StudyError(f"{config.data.train_path}, {features}: the study data is not ready; "
                          "run `python scripts/study.py data` first (it resumes)")

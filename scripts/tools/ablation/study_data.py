@@ -31,6 +31,7 @@ here too. Each stage skips itself when done (regeneration resumes row by row).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -385,7 +386,9 @@ def prepare(settings: StudyDataSettings, *, stages: tuple[str, ...] = ("prompts"
 def cache_features(settings: StudyDataSettings, overrides: list[str], features_dir: Path) -> None:
     """The target's features of the study data, once (`python -m data_prep.cache_features`
     with the study's shared `train.py` overrides); skipped when the cache is complete."""
-    from .runner import run_logged
+    from scripts.tools.child_runs import run_logged
+
+    from .runner import AblationError
 
     if (features_dir / "train" / "index.json").is_file() and \
             (features_dir / "eval" / "index.json").is_file():
@@ -393,10 +396,11 @@ def cache_features(settings: StudyDataSettings, overrides: list[str], features_d
         return
 
     def work() -> dict[str, Any]:
-        run_logged(["-m", "data_prep.cache_features", *overrides,
+        run_logged([sys.executable, "-m", "data_prep.cache_features", *overrides,
                     f"data.offline_features_dir={features_dir}",
                     f"hydra.run.dir={features_dir.parent / '.hydra_cache_features'}"],
-                   features_dir.parent / "cache_features.log", "caching the target features")
+                   features_dir.parent / "cache_features.log", "caching the target features",
+                   error=AblationError)
         return {"dir": str(features_dir), "overrides": overrides,
                 "bytes": sum(p.stat().st_size for p in features_dir.rglob("*") if p.is_file())}
 

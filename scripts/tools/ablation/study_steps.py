@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from .study import StudyError, StudySettings, compose_train_config
+from dspine_train.training.config import compose_train_config
+
+from .study import StudyError, StudySettings
 from .study_variants import REFERENCE, StudyVariant
 
 
@@ -36,7 +38,7 @@ def _variant_step(settings: StudySettings, variant: StudyVariant, work_dir: Path
     from scripts.tools.bench.step_bench import PathStep, StepPath, first_batches
 
     arguments = [a for a in settings.train_arguments(variant) if not a.startswith("output_dir=")]
-    config = compose_train_config([*arguments, f"output_dir={work_dir / variant.name}"])
+    config = compose_train_config(*arguments, f"output_dir={work_dir / variant.name}")
     torch.manual_seed(config.seed)
     inputs = check_inputs(config)
     dim = inputs.draft_config.transfer_dim
@@ -66,7 +68,7 @@ def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_d
     if not 1 <= batches <= iters:
         raise StudyError(f"--batches {batches}, --iters {iters}: time every batch at least "
                          "once (1 <= batches <= iters)")
-    first = compose_train_config(settings.train_arguments(variants[0]))
+    first = compose_train_config(*settings.train_arguments(variants[0]))
     embed, head = read_embedding_and_head(first.model.target_path)
     work_dir.mkdir(parents=True, exist_ok=True)
     steps, items = {}, {}

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 from dspine_train.modeling import DSpineDraftModel
 from dspine_train.objective import dspine_loss, sample_anchors
-from dspine_train.training.config import TrainConfig, register_configs, to_train_config
+from dspine_train.training.config import TrainConfig, compose_train_config
 from dspine_train.training.data import BatchStream, TokenBatches
 from dspine_train.training.draft_builder import build_draft, load_or_build_token_table
 from dspine_train.training.draft_step import DraftStep
@@ -34,12 +33,9 @@ from dspine_train.training.offline_features import OfflineFeatures, cache_identi
 from dspine_train.training.planning import plan_draft_config
 from dspine_train.training.target import TargetFeatures, read_embedding_and_head
 from dspine_train.vocab_loss import target_topk
-from scripts.tools import REPO
 from scripts.tools.bench.reference_objective import ReferenceDraftStep
 
 from .step_profile import PARTS, StepProfile, describe_plan, flop_plan
-
-RECIPES = REPO / "recipes"
 
 
 @dataclass(frozen=True)
@@ -62,13 +58,6 @@ PATHS = {
     "fused+topk+bf16": StepPath(reference=False, topk=True, bf16=True),
     "fused+topk+bf16+pruned": StepPath(reference=False, topk=True, bf16=True, pruned=True),
 }
-
-
-def compose_recipe(recipe: str, overrides: list[str]) -> TrainConfig:
-    """The recipe's `TrainConfig`, as `train.py recipe=<recipe> <overrides>` composes it."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
-        return to_train_config(compose("config", overrides=[f"recipe={recipe}", *overrides]))
 
 
 def first_batches(config: TrainConfig, train, draft, count: int, head: torch.Tensor):  # noqa: ANN001
@@ -152,7 +141,7 @@ def _objective_change(draft, items, k: int) -> dict[str, float]:  # noqa: ANN001
 
 def run_recipe_bench(args: argparse.Namespace) -> None:
     """Print and write (`args.out`) the side-by-side step times of the recipe's paths."""
-    config = compose_recipe(args.recipe, args.set)
+    config = compose_train_config(f"recipe={args.recipe}", *args.set)
     if args.plan:
         _print_plan(config, args.draft_vocab)
         return

@@ -38,13 +38,9 @@ def section_memory(ck: Check, fig: Figures) -> None:
 
 def recipe_config(recipe: str):  # noqa: ANN201 - TrainConfig
     """The composed recipe at world size 1 (everything on this one device)."""
-    from hydra import compose, initialize_config_dir
+    from dspine_train.training.config import compose_train_config
 
-    from dspine_train.training.config import register_configs, to_train_config
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "recipes"), version_base="1.3"):
-        return to_train_config(compose("config", overrides=[f"recipe={recipe}", "world_size=1"]))
+    return compose_train_config(f"recipe={recipe}", "world_size=1")
 
 
 def recipe_draft(recipe: str) -> tuple[Any, Any, Any]:
