@@ -14,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from dspine_train.training.tiny_assets import tiny_target_config
+
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 QWEN25_TEMPLATE = (FIXTURES / "qwen25_chat_template.jinja").read_text()
 QWEN3_TEMPLATE = (FIXTURES / "qwen3_chat_template.jinja").read_text()
@@ -66,14 +68,12 @@ def tiny_qwen3(tokenizer: Any, path: Path, *, seed: int = 0, never_stop: bool = 
     to max_new_tokens: deterministic lengths for the tests.
     """
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                         vocab_size=len(tokenizer), max_position_embeddings=512,
-                         tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = tiny_target_config(num_hidden_layers=2, vocab_size=len(tokenizer),
+                                initializer_range=0.02, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
     model = Qwen3ForCausalLM(config)
     stop = [tokenizer.eos_token_id, tokenizer.pad_token_id]
     model.generation_config = GenerationConfig(eos_token_id=stop,

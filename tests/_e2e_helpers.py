@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from dspine_train.training.tiny_assets import tiny_target_config
 from tests._data_helpers import QWEN3_TEMPLATE, word_level_tokenizer
 
 WORDS = [f"w{i}" for i in range(120)] + ["def", "return", "(", ")", ":", "print", "sum", "list"]
@@ -23,17 +24,15 @@ NUM_LAYERS = 6  # two draft layers read target layers 1 and 3 (METHOD 1: round(1
 
 def build_chat_target(path: Path, seed: int = 0, initializer_range: float = 0.3) -> Path:
     """Save the tiny chat target (model + tokenizer + generation config) to `path`."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3ForCausalLM
 
     tokenizer = word_level_tokenizer(QWEN3_TEMPLATE, WORDS)
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        hidden_size=64, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        vocab_size=len(tokenizer) + SPARE_IDS, max_position_embeddings=512,
+    config = tiny_target_config(
+        num_hidden_layers=NUM_LAYERS, vocab_size=len(tokenizer) + SPARE_IDS,
         # A wide init makes next-token distributions peaked, as a trained model's are; a
         # near-uniform target would leave greedy decoding at the mercy of rounding.
-        initializer_range=initializer_range, tie_word_embeddings=False,
+        initializer_range=initializer_range,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = Qwen3ForCausalLM(config).eval()
     model.generation_config = GenerationConfig(

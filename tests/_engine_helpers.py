@@ -8,15 +8,11 @@ from pathlib import Path
 import torch
 import transformers
 
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=256,
-    max_position_embeddings=512,
-)
+from dspine_train.training.tiny_assets import TINY_SHAPE
+
+# the tiny Qwen3 shape; head_dim is given per family below (Qwen2 derives it from H / heads)
+TINY = dict({k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}, num_hidden_layers=4,
+            vocab_size=256, max_position_embeddings=512)
 
 
 def tiny_hf_config(family: str, **overrides) -> transformers.PretrainedConfig:

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from dspine_train import DSpineConfig, DSpineDraftModel
+from dspine_train.training.tiny_assets import tiny_target_config
 
 USED_VOCAB = 250
 
 
 def tiny_target(seed: int = 0, *, layers: int = 6, vocab: int = 256) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, vocab_size=vocab, max_position_embeddings=512,
-    )
+    cfg = tiny_target_config(num_hidden_layers=layers, vocab_size=vocab, initializer_range=0.02)
     return Qwen3ForCausalLM(cfg).eval()
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from _engine_helpers import build_tiny_target
 from _model_helpers import USED_VOCAB
-from transformers import Qwen3Config
 
 from dspine_train import DSpineConfig, DSpineDraftModel
 from dspine_train.engine.rope import RopeTable
+from dspine_train.training.tiny_assets import tiny_target_config
 
 POSITIONS = torch.tensor([[0, 1, 1000, 4000, 8191]])
 THETA = 1.0e6
@@ -43,9 +43,8 @@ def _angle_error(cos: torch.Tensor, sin: torch.Tensor, ref_cos, ref_sin) -> floa
 
 
 def _long_context_draft() -> DSpineDraftModel:
-    target_cfg = Qwen3Config(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, vocab_size=256, max_position_embeddings=16384,
+    target_cfg = tiny_target_config(
+        vocab_size=256, max_position_embeddings=16384,
         rope_parameters={"rope_type": "default", "rope_theta": THETA},
     )
     cfg = DSpineConfig.from_target(

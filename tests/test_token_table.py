@@ -23,6 +23,7 @@ from dspine_train.token_table import (
     main,
     whitened_coordinates,
 )
+from dspine_train.training.tiny_assets import tiny_target_config
 
 VOCAB, HIDDEN = 2000, 64
 
@@ -271,19 +272,11 @@ def test_constructor_rejects_inconsistent_tensors(table: TokenTable) -> None:
 
 
 def _save_tiny_qwen3(path: Path, *, tied: bool, **save_kwargs: object) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=512,
-        tie_word_embeddings=tied,
-    )
+    config = tiny_target_config(num_hidden_layers=2, vocab_size=512, initializer_range=0.02,
+                                tie_word_embeddings=tied)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(path, **save_kwargs)
     return model

@@ -16,23 +16,13 @@ from pathlib import Path
 import torch
 import transformers
 
+from dspine_train.training.tiny_assets import tiny_target_config
+
 
 def tiny_qwen3_config(**overrides) -> transformers.Qwen3Config:
     """A tiny Qwen3 (6 layers, H 64, V 256, head_dim 16), no EOS so runs go to their budget."""
-    fields = dict(
-        hidden_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-    )
-    fields.update(overrides)
-    return transformers.Qwen3Config(**fields)
+    fields = dict(num_hidden_layers=6, vocab_size=256, initializer_range=0.02, eos_token_id=None)
+    return tiny_target_config(**{**fields, **overrides})
 
 
 def save_tiny_target(path: Path, seed: int = 0, head_scale: float = 4.0) -> transformers.PreTrainedModel:
