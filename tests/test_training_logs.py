@@ -8,8 +8,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from dspine_train.training.tracking import progress_line
-from scripts.tools.child_runs import run_logged
+from scripts.tools.child_runs import offline_env, run_logged
 
 
 def test_progress_line_shows_seconds_per_step_beside_tokens_per_second() -> None:
@@ -45,3 +47,29 @@ def test_a_stage_log_is_written_as_the_stage_runs(tmp_path: Path) -> None:
         runner.join(timeout=30)
     assert seen_while_running, "the stage's log stayed empty while the stage ran"
     assert "step 2/2" in log.read_text()
+
+
+def test_a_failed_stage_names_itself_its_exit_code_and_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "features.log"
+    child = "import sys; print('cannot read the target'); sys.exit(3)"
+
+    class StageError(RuntimeError):
+        pass
+
+    with pytest.raises(StageError) as err:
+        run_logged([sys.executable, "-c", child], log, "caching the target features",
+                   echo=False, error=StageError)
+    message = str(err.value)
+    assert message.startswith("caching the target features failed (exit 3)")
+    assert str(log) in message and "cannot read the target" in message  # the log's last lines
+    assert "cannot read the target" in log.read_text()
+
+
+def test_child_runs_are_offline_and_outside_a_launchers_world(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("RANK", "3")
+    env = offline_env(threads=2, drop_launcher=True)
+    assert env["HF_HUB_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["OMP_NUM_THREADS"] == "2" and "RANK" not in env
+    assert offline_env()["RANK"] == "3"  # kept unless asked: a launched study stays launched
