@@ -8,8 +8,8 @@ from _engine_helpers import build_tiny_target, hf_greedy, tiny_draft
 
 from dspine_train.engine import Engine
 from dspine_train.engine.agreement import teacher_forced_agreement
-from dspine_train.engine.attention import fused_sdpa_only
 from dspine_train.engine.profiling import sdpa_backends, time_engine_steps
+from dspine_train.modeling.sdpa_attention import fused_sdpa_only
 
 pytestmark = [
     pytest.mark.gpu,
