@@ -6,7 +6,7 @@ top-`data.target_topk` of the target's next-token distribution, sharded, under
 `data.offline_features_dir`, in the format `offline_features` (beside it) defines and reads.
 The size estimate is printed before anything is written. Same recipe and overrides as training:
 
-    python -m dspine_train.training.cache_features recipe=tiny \
+    python -m dspine_train.training.cache_features recipe=tiny \\
         data.offline_features_dir=artifacts/tiny_features
     python train.py recipe=tiny data.offline_features_dir=artifacts/tiny_features
 
