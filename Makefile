@@ -57,7 +57,7 @@ bench: install
 	$(PY) scripts/bench_token_table.py
 	$(PY) scripts/bench_train.py
 
-# One GPU, no network, under 8 minutes: environment and attention backends, `pytest -m gpu`,
+# One GPU, no network, one short run: environment and attention backends, `pytest -m gpu`,
 # fp32 exactness, Qwen3-8B-shaped bf16 checks, step timings, memory against the plan.
 gpu-check: install
 	$(PY) scripts/gpu_check.py --device cuda --out docs/results/gpu_check

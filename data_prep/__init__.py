@@ -1,4 +1,4 @@
-"""Data preparation for DSpine drafts (SPEC section 3): prompts -> target answers -> masks.
+"""Data preparation for DSpine drafts (METHOD section 3): prompts -> target answers -> masks.
 
 Stages, each a module with a CLI:
 

@@ -1,4 +1,4 @@
-"""PCA-whitened token codes from a target's frozen LM head (SPEC 2.1), and a CLI to build them.
+"""PCA-whitened token codes from a target's frozen LM head (METHOD 2.1), and a CLI to build them.
 
 From the head weight W (V x H): L2-normalise each row, subtract the vocabulary mean, take the
 top-r eigenvectors of the H x H covariance of the centred rows (accumulated over row chunks, so
@@ -331,7 +331,7 @@ def build_token_table(
     source: str = "",
     progress: bool = False,
 ) -> TokenTable:
-    """Build the SPEC 2.1 token codes of a head weight ``weight`` (V, H), any float dtype.
+    """Build the METHOD 2.1 token codes of a head weight ``weight`` (V, H), any float dtype.
 
     ``method="covariance"`` accumulates the H x H covariance over ``chunk_size``-row chunks and
     eigendecomposes it in float64; ``method="pca"`` asks scikit-learn's PCA for the basis (one
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (2: a bad flag, 1: a bad checkpoint)."""
     parser = argparse.ArgumentParser(
         prog="python -m dspine_train.token_table",
-        description="Build the PCA-whitened token table (SPEC 2.1) of a target's LM head.",
+        description="Build the PCA-whitened token table (METHOD 2.1) of a target's LM head.",
     )
     parser.add_argument("--target", required=True, help="HF checkpoint directory of the target")
     parser.add_argument("--out", required=True, help="output .safetensors file")

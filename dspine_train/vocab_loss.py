@@ -1,8 +1,8 @@
 """The backbone's vocabulary terms of the DSpine objective, with their gradient made in forward.
 
 Per supervised slot the backbone loss is `c * CE(label) + (1 - c) * L1(p_draft, p_target)`
-(SPEC 2.3). Both terms depend on the slot's full-vocabulary logits, which are too large to
-keep for backward (SPEC 4). Recomputing them in backward (activation checkpointing) costs a
+(METHOD 2.3). Both terms depend on the slot's full-vocabulary logits, which are too large to
+keep for backward (METHOD 4). Recomputing them in backward (activation checkpointing) costs a
 second V x H projection per slot, and a third one for the target's distribution when it is
 projected from the target's final state. `BackboneVocabTerms` instead computes, in the forward
 of each chunk, the value *and* its gradient with respect to the normed draft state

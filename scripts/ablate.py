@@ -1,4 +1,4 @@
-"""The ablation study (SPEC 2.5): DFlash, DSpine and DSpine with one part off, same budget.
+"""The ablation study (METHOD 2.5): DFlash, DSpine and DSpine with one part off, same budget.
 
 Trains every variant on the same target, data, steps, batch, anchors and seed (the target's
 features are computed once into an offline cache that all runs share), evaluates each export
@@ -6,7 +6,7 @@ with the evaluation harness (engine-measured tau at each temperature on held-out
 prompts, per-position acceptance) and the trainer's simulated tau, and writes one table as
 markdown, JSON and PNG, with the exact command and git commit.
 
-    python scripts/ablate.py --smoke --out /tmp/ablation_smoke        # tiny random target, ~1 min
+    python scripts/ablate.py --smoke --out /tmp/ablation_smoke        # tiny random target, quick
     python scripts/ablate.py --steps 150 --features artifacts/demo/features \
         --report docs/results/ablation_cpu                   # on the demo's data and features
     python scripts/ablate.py --variants dspine,dspine_no_tcache --steps 300 --set data.num_anchors=64
@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dspine_train.ablation.variants import VARIANTS, select_variants  # noqa: E402
+from scripts.tools.ablation.variants import VARIANTS, select_variants  # noqa: E402
 
 SMOKE_STEPS = 8
 SMOKE_PROMPT_CHARS = 400
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the study; 0 on success, 1 with a message on failure."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from dspine_train.ablation.report import data_summary, git_commit, write_report
-    from dspine_train.ablation.runner import (
+    from scripts.tools.ablation.report import data_summary, git_commit, write_report
+    from scripts.tools.ablation.runner import (
         AblationError,
         AblationSettings,
         collect_row,
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(threads)
     if args.smoke:
-        from dspine_train.ablation.smoke import write_smoke_assets
+        from scripts.tools.ablation.smoke import write_smoke_assets
 
         target, data = write_smoke_assets(out / "assets")
     target = str(Path(target).resolve())

@@ -8,7 +8,7 @@ For each batch size it runs plain decoding once and speculative decoding once pe
 verified draft tokens g (greedy), after one warm-up call each, and prints a table: tau, tokens/s,
 speedup over plain decoding, draft and verify ms per step, and whether the outputs are identical
 (they must be). Then it times the parts of one draft step: the transition-cache decode against a
-naive serial refine (SPEC 2.4 goal: <= 0.5x), and the share of the draft forward spent in the
+naive serial refine (METHOD 2.4 goal: <= 0.5x), and the share of the draft forward spent in the
 injection modules (goal: <= 5%). Results are also written as JSON.
 
 With `--tree-paths 1,2,4,8` it also compares chain (1) and token-tree verification (M > 1

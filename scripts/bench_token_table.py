@@ -1,4 +1,4 @@
-"""Time and peak memory of building the token table (SPEC 2.1) at Qwen3-8B's head shape.
+"""Time and peak memory of building the token table (METHOD 2.1) at Qwen3-8B's head shape.
 
 Builds a random low-rank-plus-noise head matrix (151936 x 4096 float32 by default, fixed seed),
 runs ``build_token_table`` with the chunked covariance method, and reports wall time and peak

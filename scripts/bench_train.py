@@ -55,11 +55,14 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dspine_train import DSpineConfig, DSpineDraftModel
-from dspine_train.objective import sample_anchors
-from dspine_train.token_table import build_token_table
-from dspine_train.training.draft_step import DraftStep
-from dspine_train.training.target import TargetFeatureExtractor, target_head_weights
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
+
+from dspine_train import DSpineConfig, DSpineDraftModel  # noqa: E402
+from dspine_train.objective import sample_anchors  # noqa: E402
+from dspine_train.token_table import build_token_table  # noqa: E402
+from dspine_train.training.draft_step import DraftStep  # noqa: E402
+from dspine_train.training.target import TargetFeatureExtractor, target_head_weights  # noqa: E402
 
 GOAL = 1.10
 VARIANTS = {"dflash": False, "dspine": True}  # name -> injection
@@ -223,7 +226,7 @@ def main() -> None:
                         help="--recipe: print the multiply-add split of its shapes, run nothing")
     args = parser.parse_args()
     if args.recipe:
-        from dspine_train.training.step_bench import run_recipe_bench
+        from scripts.tools.bench.step_bench import run_recipe_bench
 
         run_recipe_bench(args)
         return

@@ -444,7 +444,7 @@ def run_parity_check(demo: Demo, draft: Path) -> dict[str, Any]:
 def train_overrides(demo: Demo) -> list[str]:
     """Hydra overrides shared by the feature cache and `train.py`.
 
-    The target layers follow SPEC 1 for the chosen number of draft layers.
+    The target layers follow METHOD 1 for the chosen number of draft layers.
     """
     from dspine_train.modeling import default_target_layer_ids
 

@@ -30,14 +30,14 @@ sys.path.insert(0, str(REPO))
 from dspine_train.checkpoint_io import write_json_atomic, write_text_atomic  # noqa: E402
 from dspine_train.engine import Engine  # noqa: E402
 from dspine_train.formats import export_dir, load_draft  # noqa: E402
-from dspine_train.formats.reference_parity import (  # noqa: E402
+from dspine_train.modeling import DSpineConfig, DSpineDraftModel  # noqa: E402
+from scripts.tools.bench.reference_parity import (  # noqa: E402
     compare_rounds,
     our_block_logits,
     record_engine_rounds,
     record_reference_rounds,
     reference_block_logits,
 )
-from dspine_train.modeling import DSpineConfig, DSpineDraftModel  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",

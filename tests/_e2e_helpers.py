@@ -18,7 +18,7 @@ from tests._data_helpers import QWEN3_TEMPLATE, word_level_tokenizer
 
 WORDS = [f"w{i}" for i in range(120)] + ["def", "return", "(", ")", ":", "print", "sum", "list"]
 SPARE_IDS = 8  # vocabulary rows no token uses (the draft takes the first as its mask id)
-NUM_LAYERS = 6  # two draft layers read target layers 1 and 3 (SPEC 1: round(1 + i*(L-4)))
+NUM_LAYERS = 6  # two draft layers read target layers 1 and 3 (METHOD 1: round(1 + i*(L-4)))
 
 
 def build_chat_target(path: Path, seed: int = 0, initializer_range: float = 0.3) -> Path:

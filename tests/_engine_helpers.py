@@ -185,6 +185,6 @@ def train_draft_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr
     from a "trained" draft (the trainer itself is tested elsewhere). The GPU check trains its
     exactness draft the same way, so both use the package's function.
     """
-    from dspine_train.gpu_check.models import train_draft_briefly as train
+    from scripts.tools.gpu_check.models import train_draft_briefly as train
 
     return train(draft, hf_model, sequences, steps, lr)

@@ -25,7 +25,7 @@ def train_env() -> dict[str, str]:
     """Environment of a trainer subprocess: offline, the shared DeepSpeed op build, no wandb."""
     env = dict(os.environ)
     env.update(
-        # DeepSpeed JIT-builds a CPU comm op (~1 min); the Makefile keeps it here, built once.
+        # DeepSpeed JIT-builds a CPU comm op (slow); the Makefile keeps it here, built once.
         TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
@@ -103,7 +103,7 @@ def single_thread() -> Iterator[None]:
 
 def build_tiny_assets(root: Path) -> dict[str, Path]:
     """The tiny random target and the dataset sampled from it (as the tiny recipe writes them),
-    plus where the token table is cached; a few seconds on one thread."""
+    plus where the token table is cached; quick on one thread."""
     target, data = root / "target", root / "data"
     with single_thread():
         write_tiny_target(target, seed=0)
@@ -120,6 +120,6 @@ DEFAULT_TARGET = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers
 
 def compose_recipe(*overrides: str):
     """The typed `TrainConfig` that `train.py <overrides>` composes (nothing runs)."""
-    from dspine_train.ablation.study import compose_train_config
+    from scripts.tools.ablation.study import compose_train_config
 
     return compose_train_config(overrides)

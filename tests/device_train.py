@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from device_harness import DEVICE_TYPE, accelerator  # noqa: E402
 
-from dspine_train.ablation.study import compose_train_config  # noqa: E402
 from dspine_train.training import trainer as trainer_module  # noqa: E402
+from scripts.tools.ablation.study import compose_train_config  # noqa: E402
 
 
 def _put_accelerate_on(device: torch.device) -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspine_train.ablation.runner import BUDGET_KEYS
-from dspine_train.ablation.variants import VARIANTS, select_variants
+from scripts.tools.ablation.runner import BUDGET_KEYS
+from scripts.tools.ablation.variants import VARIANTS, select_variants
 
-# The smoke study (one module fixture) trains and evaluates five variants: minutes on 2 cores.
+# The smoke study (one module fixture) trains and evaluates five variants: slow on a CPU.
 SLOW = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def run_ablate(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     """`python scripts/ablate.py <args>` from the repo root, offline, output captured.
 
     The timeout only guards against a hang: in a fresh clone the smoke study also JIT-builds
-    DeepSpeed's CPU op first (minutes on 2 busy cores).
+    DeepSpeed's CPU op first, which takes a while.
     """
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
@@ -152,7 +152,7 @@ def test_variant_switches_reach_training(smoke: tuple[Path, dict]) -> None:
         for term in ("backbone_ce", "backbone_l1", "refine_ce", "refine_l1",
                      "candidate_coverage", "supervised_slots"):
             assert row[term] == full[term], term
-    # dspine's loss = dspine_no_cosine's + beta * CE * alignment (SPEC 2.3)
+    # dspine's loss = dspine_no_cosine's + beta * CE * alignment (METHOD 2.3)
     alignment = full["alignment_beta"] * full["backbone_ce"] * full["alignment"]
     assert alignment > 0.1
     assert full["loss"] - no_cos["loss"] == pytest.approx(alignment, rel=1e-5)
@@ -187,9 +187,9 @@ def independent_acceptance(out: Path, variant: str) -> tuple[float, float, torch
     import datasets
     from transformers import AutoModelForCausalLM
 
-    from dspine_train.ablation.simulated import load_run_config
     from dspine_train.modeling import DSpineDraftModel
     from dspine_train.training.data import TokenBatches
+    from scripts.tools.ablation.simulated import load_run_config
 
     source = "dspine" if variant == "dspine_no_tcache" else variant
     config = load_run_config(out / source / "hydra" / "config.yaml")
@@ -329,8 +329,8 @@ def test_unknown_variant_is_rejected(capsys: pytest.CaptureFixture[str]) -> None
 def test_a_foreign_folder_of_a_derived_variant_is_refused_before_training(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A derived variant's folder holding another run is neither replaced nor written into,
-    and the refusal comes before any variant trains (issue 32)."""
-    from dspine_train.ablation import runner
+    and the refusal comes before any variant trains."""
+    from scripts.tools.ablation import runner
 
     ran: list = []
 

@@ -1,4 +1,4 @@
-"""Bad inputs to the trainer and the draft loader, refused with one clear message (issue 13).
+"""Bad inputs to the trainer and the draft loader, refused with one clear message.
 
 Unknown config keys, a target without a tokenizer, an incomplete draft export, a `.bin` draft,
 checkpoints of another run, changed settings on resume and damaged checkpoint files. The unit

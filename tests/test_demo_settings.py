@@ -1,4 +1,4 @@
-"""The demo's training settings (issue 16, part 4). `--dtype`: one setting for the target's
+"""The demo's training settings. `--dtype`: one setting for the target's
 answers, its cached features and the draft's training precision; `auto` picks bfloat16 only
 where the CPU computes it natively. `--draft-vocab-size`: the pruned draft vocabulary."""
 
@@ -112,10 +112,11 @@ def test_a_negative_draft_vocab_size_is_refused(capsys: pytest.CaptureFixture[st
 
 
 def test_the_readme_states_the_demo_defaults() -> None:
-    """The README's demo paragraph names the budget `make demo` runs; a changed default must
-    change the figures there too (they come from a run at those defaults)."""
+    """The results page's demo paragraph names the budget `make demo` runs; a changed default
+    must change the figures there too (they come from a run at those defaults)."""
     defaults = demo.build_parser().parse_args([])
-    readme = " ".join((REPO / "README.md").read_text().split())  # line breaks as spaces
+    page = REPO / "docs" / "results" / "README.md"
+    readme = " ".join(page.read_text().split())  # line breaks as spaces
     assert f"answer {defaults.num_prompts} prompts" in readme
     assert f"for {defaults.steps} steps" in readme
     assert f"parity check on {defaults.parity_rows} held-out rows" in readme

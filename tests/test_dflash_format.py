@@ -29,17 +29,17 @@ from safetensors.torch import load_file
 from dspine_train.engine import Engine
 from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
-from dspine_train.formats.reference_parity import (
+from dspine_train.modeling import DSpineConfig, DSpineDraftModel
+from dspine_train.training.config import ConfigError, register_configs, to_train_config
+from dspine_train.training.errors import TrainingError
+from dspine_train.training.planning import plan_draft_config
+from scripts.tools.bench.reference_parity import (
     compare_rounds,
     our_block_logits,
     record_engine_rounds,
     record_reference_rounds,
     reference_block_logits,
 )
-from dspine_train.modeling import DSpineConfig, DSpineDraftModel
-from dspine_train.training.config import ConfigError, register_configs, to_train_config
-from dspine_train.training.errors import TrainingError
-from dspine_train.training.planning import plan_draft_config
 from tests._train_helpers import REPO, check_ok, run_train, tiny_overrides, train_env
 
 NEW = 24  # new tokens per prompt

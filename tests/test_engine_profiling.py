@@ -8,8 +8,8 @@ import torch
 from _engine_helpers import build_tiny_target, hf_greedy, tiny_draft
 
 from dspine_train.engine import Engine, GenerationInputError
-from dspine_train.engine.agreement import teacher_forced_agreement
-from dspine_train.engine.profiling import sdpa_backends, time_engine_steps
+from scripts.tools.bench.agreement import teacher_forced_agreement
+from scripts.tools.bench.engine_profiling import sdpa_backends, time_engine_steps
 
 
 @pytest.fixture(scope="module")

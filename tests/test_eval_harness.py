@@ -70,7 +70,7 @@ def results(assets) -> list[BenchResult]:
                         max_new_tokens=24, device="cpu")
 
 
-@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: slow on a CPU
 def test_evaluate_measures_tau_speed_and_losslessness(results: list[BenchResult]) -> None:
     greedy, sampled = results
     assert (greedy.bench, greedy.temperature, sampled.temperature) == ("prompts", 0.0, 1.0)
@@ -86,7 +86,7 @@ def test_evaluate_measures_tau_speed_and_losslessness(results: list[BenchResult]
     assert greedy.per_position[0] > 0  # the trained draft gets tokens accepted
 
 
-@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: slow on a CPU
 def test_reports_round_trip_and_render(results, tmp_path: Path) -> None:
     variants = {"dspine": results, "other": [results[0]]}
     save_results(variants, tmp_path / "r.json", metadata={"note": "x"})
@@ -100,7 +100,7 @@ def test_reports_round_trip_and_render(results, tmp_path: Path) -> None:
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: slow on a CPU
 def test_shared_ar_cache_runs_plain_decoding_once(assets) -> None:
     with single_thread():
         bench = [load_benchmark(str(assets["chats"]), limit=2)]
@@ -121,7 +121,7 @@ def test_shared_ar_cache_runs_plain_decoding_once(assets) -> None:
     assert len(second[0].per_position) == 2
 
 
-@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: slow on a CPU
 def test_evaluate_runs_a_token_tree_budget_losslessly(assets, results) -> None:
     """`tree_paths` reaches the engine: the rounds verify trees, the output stays lossless, the
     budget is recorded and rendered (per-step acceptance vs the chain: test_engine_tree)."""
@@ -138,7 +138,7 @@ def test_evaluate_runs_a_token_tree_budget_losslessly(assets, results) -> None:
     assert f"| 3/{3 * (BLOCK - 1)} |" in results_markdown({"tree": [tree]})
 
 
-@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: slow on a CPU
 def test_eval_acceptance_cli_writes_json_markdown_png(assets, tmp_path: Path) -> None:
     out = tmp_path / "eval"
     proc = subprocess.run(
@@ -157,7 +157,7 @@ def test_eval_acceptance_cli_writes_json_markdown_png(assets, tmp_path: Path) ->
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: > 20 s on 2 cores
+@pytest.mark.slow  # the module's trained-draft fixture, or a CLI run: slow on a CPU
 def test_eval_acceptance_cli_rejects_a_missing_benchmark(assets, tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "eval_acceptance.py"),

@@ -1,7 +1,7 @@
 """The cheaper training step: gradient-in-forward vocabulary terms and the cached top-k target.
 
 * `vocab_loss.BackboneVocabTerms` gives the objective's value and gradients of the autograd +
-  checkpointing path (`reference=True`), with and without distillation;
+  checkpointing path (`scripts.tools.bench.reference_objective`), with and without distillation;
 * a top-k target distribution holding every id is the exact distribution; a short top-k moves
   the objective by less than 1e-3 on a test batch (and by at most 2 x the remainder mass);
 * the feature cache pass stores the top-k and the reader gives it back.
@@ -17,6 +17,7 @@ import torch
 
 from dspine_train.objective import dspine_loss, sample_anchors
 from dspine_train.vocab_loss import TargetDistribution, target_topk
+from scripts.tools.bench.reference_objective import reference_dspine_loss
 from tests._model_helpers import (
     USED_VOCAB,
     context_features,
@@ -42,12 +43,12 @@ def _inputs(target, draft, seed=0, seq=40):
     return ids, feats, final, loss_mask, anchors, mask, replace
 
 
-def _loss_and_grads(draft, inputs, **kwargs):
+def _loss_and_grads(draft, inputs, loss_fn=dspine_loss, **kwargs):
     ids, feats, final, loss_mask, anchors, mask, replace = inputs
     draft.zero_grad(set_to_none=True)
     out = draft(ids, feats, anchors, mask, replace)
-    loss, metrics = dspine_loss(draft, out, final, loss_mask, anchors, mask, step=30,
-                                chunk_size=7, **kwargs)
+    loss, metrics = loss_fn(draft, out, final, loss_mask, anchors, mask, step=30,
+                            chunk_size=7, **kwargs)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
     return loss.detach(), metrics, grads
@@ -64,7 +65,7 @@ def test_gradient_in_forward_equals_autograd_with_checkpointing(target, distill)
     randomise_injection(draft)
     inputs = _inputs(target, draft)
     fast, m_fast, g_fast = _loss_and_grads(draft, inputs)
-    ref, m_ref, g_ref = _loss_and_grads(draft, inputs, reference=True)
+    ref, m_ref, g_ref = _loss_and_grads(draft, inputs, reference_dspine_loss)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
     for key in ("backbone_ce", "backbone_l1", "refine_ce", "top1_acc", "candidate_coverage"):
         torch.testing.assert_close(m_fast[key], m_ref[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -155,7 +156,7 @@ def test_feature_cache_stores_the_topk_and_reads_it_back(tiny_assets, tmp_path: 
 
 def test_bench_recipe_mode_times_the_paths_side_by_side(tiny_assets, tmp_path: Path):
     """`bench_train.py --recipe`: every path's ratio to the old one and its time split."""
-    from dspine_train.training.step_profile import PARTS
+    from scripts.tools.bench.step_profile import PARTS
     from tests._train_helpers import check_ok, run_module, tiny_overrides
 
     features = tmp_path / "features"

@@ -54,7 +54,7 @@ def test_flex_mask_predicate_is_the_dense_mask(causal):
     assert torch.equal(got, dense_training_mask(anchors, seq_len, block, causal)[:, 0])
 
 
-@pytest.mark.slow  # compiles flex attention with inductor on CPU: 30-90 s on 2 busy cores
+@pytest.mark.slow  # compiles flex attention with inductor on CPU, a slow compile
 def test_compiled_flex_forward_equals_dense_sdpa_and_a_new_length_does_not_recompile(target):
     draft = tiny_draft(target)  # causal blocks; the bidirectional predicate is checked above
     randomise_injection(draft)

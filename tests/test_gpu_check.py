@@ -89,7 +89,7 @@ def test_cpu_tiny_mode_runs_every_section_with_real_figures(cpu_report):
 
 
 def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
-    from dspine_train.gpu_check import runner as script
+    from scripts.tools.gpu_check import runner as script
 
     def boom(check, fig):
         fig["before_the_error"] = 1
@@ -115,7 +115,7 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(tmp_path, monkey
 
 
 def test_over_budget_sections_are_skipped(tmp_path, monkeypatch):
-    from dspine_train.gpu_check import runner as script
+    from scripts.tools.gpu_check import runner as script
     monkeypatch.setattr(script, "SECTIONS", [("late", lambda check, fig: None)])
     code = script.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--budget-s", "-1"])
     late = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["late"]
@@ -132,7 +132,7 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
 def test_oracle_draft_proposes_the_known_continuation_with_fixed_corruptions():
     import torch
 
-    from dspine_train.engine.oracle_draft import OracleDraft, OracleDraftConfig
+    from scripts.tools.bench.oracle_draft import OracleDraft, OracleDraftConfig
 
     config = OracleDraftConfig(block_size=5, target_layer_ids=[0], vocab_size=50, hidden_size=8)
     draft = OracleDraft(config, max_batch_size=2, max_length=20, corrupt=0.5, seed=3)
@@ -153,7 +153,7 @@ def test_oracle_draft_proposes_the_known_continuation_with_fixed_corruptions():
 def test_memory_section_builds_the_8b_recipes_draft_without_its_tokenizer():
     """The GPU run's memory section sizes the `qwen3_8b` draft from the shipped target config
     alone (no tokenizer on the device): the draft must resolve as `plan_only` resolves it."""
-    from dspine_train.gpu_check.memory import recipe_draft
+    from scripts.tools.gpu_check.memory import recipe_draft
 
     config, target, draft = recipe_draft("qwen3_8b")
     assert (target.num_hidden_layers, target.hidden_size) == (36, 4096)

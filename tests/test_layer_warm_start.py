@@ -91,7 +91,7 @@ def test_warm_start_layers_with_init_from_is_refused(world, tmp_path):
 
 
 def test_the_study_variant_composes():
-    from dspine_train.ablation.study_variants import STUDY_VARIANTS
+    from scripts.tools.ablation.study_variants import STUDY_VARIANTS
 
     config = compose_recipe("recipe=qwen2.5_coder_0.5b",
                             *STUDY_VARIANTS["dspine_warm_start"].hydra_overrides())

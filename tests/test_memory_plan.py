@@ -13,7 +13,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 import dspine_train.modeling.modeling_dspine as md
 from dspine_train import DSpineConfig, DSpineDraftModel
 from dspine_train.modeling.attention_masks import training_mask_mod
-from dspine_train.objective import _vocab_terms, sample_anchors
+from dspine_train.objective import full_vocab_terms, sample_anchors
 from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.memory_plan import (
     GIB,
@@ -241,7 +241,7 @@ def test_activation_items_cover_what_the_draft_step_keeps(param_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_loss_chunk_item_covers_what_one_chunk_keeps_in_its_recompute(dtype):
-    """The objective checkpoints each chunk's full-vocabulary terms (`_vocab_terms`): in
+    """The objective checkpoints each chunk's full-vocabulary terms (`full_vocab_terms`): in
     backward the chunk is recomputed and keeps, for its own backward, what this un-checkpointed
     call saves. Measured: 3 fp32 (c, V) tensors (log-probabilities, probabilities, their
     difference from p_target) and a few (c, H) rows, 52,320 B (bf16) / 51,296 B (fp32). The
@@ -264,7 +264,7 @@ def test_loss_chunk_item_covers_what_one_chunk_keeps_in_its_recompute(dtype):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        ce, l1, *_ = _vocab_terms(draft, hidden, target_hidden, labels, 4)
+        ce, l1, *_ = full_vocab_terms(draft, hidden, target_hidden, labels, 4)
     (ce + l1).sum().backward()
     counted = [*draft.parameters(), hidden, target_hidden, draft._target_head]
     elsewhere = {t.untyped_storage().data_ptr() for t in counted}

@@ -91,10 +91,10 @@ def test_untrained_dspine_is_exactly_its_dflash_backbone(target, batch):
 
 
 def test_writes_and_predecessor_gate_start_at_zero(target, batch):
-    """SPEC 2.2: W_l and G_pred start at zero, the other injection weights do not.
+    """METHOD 2.2: W_l and G_pred start at zero, the other injection weights do not.
 
     Zero writes alone already make the forward equal DFlash's (above), whatever G_pred holds;
-    a non-zero G_pred shows in the gate and in the refined scores (SPEC 2.4) as soon as the
+    a non-zero G_pred shows in the gate and in the refined scores (METHOD 2.4) as soon as the
     writes move, so the init is checked directly and through what it implies: at init the gate
     does not depend on the predecessor, and every predecessor row of the transition table is
     the same (the refinement starts as the plain per-slot scores).

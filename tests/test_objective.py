@@ -1,4 +1,4 @@
-"""The DSpine objective (SPEC 2.3): weights, anchors, curriculum, chunking, switches, learning."""
+"""The DSpine objective (METHOD 2.3): weights, anchors, curriculum, chunking, switches, learning."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_chunked_loss_and_gradients_equal_unchunked(target):
 
 
 def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, out, step):
-    """SPEC 2.3 written out slot by slot, from the forward's raw states, not from the objective.
+    """METHOD 2.3 written out slot by slot, from the forward's raw states, not from the objective.
 
     For block j of sequence b anchored at a, slot k predicts ids[b, a+k]; it is supervised while
     loss_mask[b, a+1..a+k] are all 1 (weight exp(-(k-1)/gamma)); p_target is the target's own
@@ -144,7 +144,7 @@ def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, ou
                 add("top1_acc", int(logits.argmax()) == label, 1.0)
                 cand = torch.topk(logits, cfg.candidate_k).indices.tolist()
                 add("candidate_coverage", label in cand, 1.0)
-                # last-write refinement with the true predecessor, by hand (SPEC 2.2 / 2.4)
+                # last-write refinement with the true predecessor, by hand (METHOD 2.2 / 2.4)
                 h = out.pre_injection[b, j, k]
                 f_recv = inj.scale * F.normalize(inj.readouts[-1](h), dim=-1)
                 f_pred = inj.scale * draft.token_codes[int(ids[b, pos - 1])]
@@ -163,7 +163,7 @@ def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, ou
                                         draft.token_codes[label], dim=0)
                     for layer, layer_out in enumerate(out.layer_hidden)
                 ]
-                per_layer = 1 - torch.stack(cosines)  # SPEC 2.3: one term per layer, summed
+                per_layer = 1 - torch.stack(cosines)  # METHOD 2.3: one term per layer, summed
                 add("alignment", per_layer.sum() if cfg.alignment_layer_reduction == "sum"
                     else per_layer.mean(), w)
     ref = {name: sums[name] / sums[name + "/w"] for name in sums if not name.endswith("/w")}
@@ -183,12 +183,19 @@ def _forward_for_reference(draft, target, ids, loss_mask, seed=0):
     return final, anchors, mask, out
 
 
-def test_objective_equals_a_slot_by_slot_computation_of_the_spec(target):
+SETTINGS = [{}, {"ce_weight": 0.6}, {"loss_gamma": 1.5}, {"candidate_k": 3},
+            {"alignment_warmup_steps": 400}, {"alignment_layer_reduction": "mean"}]
+
+
+@pytest.mark.parametrize("fields", SETTINGS, ids=[",".join(f) or "defaults" for f in SETTINGS])
+def test_objective_equals_a_slot_by_slot_computation_of_the_spec(target, fields):
     """Labels, p_target positions, supervision cuts, refinement and alignment features, each
-    checked against `_reference_objective` (not against the metrics the objective returns)."""
+    checked against `_reference_objective` (not against the metrics the objective returns),
+    at the defaults and with each objective setting moved: c, gamma, K, the alignment's
+    warm-up (beta at step 200 of 400) and its reduction over layers."""
     ids, loss_mask = _batch()
     loss_mask[0, 14] = loss_mask[1, 10] = 0  # one-token gaps: blocks that run over them are cut
-    draft = tiny_draft(target)
+    draft = tiny_draft(target, **fields)
     randomise_injection(draft)
     final, anchors, mask, out = _forward_for_reference(draft, target, ids, loss_mask)
     loss, metrics = dspine_loss(draft, out, final, loss_mask, anchors, mask, step=200)
@@ -254,7 +261,7 @@ def test_distillation_target_is_the_targets_own_distribution():
     The target's final norm is scaled like a real model's (its gains are far from 1), so
     passing the state through the draft's norm again would change p_target.
     """
-    from dspine_train.objective import _vocab_terms
+    from dspine_train.objective import full_vocab_terms
 
     target = tiny_target(seed=5)
     with torch.no_grad():
@@ -267,7 +274,7 @@ def test_distillation_target_is_the_targets_own_distribution():
     expected = torch.softmax(out.logits.reshape(-1, out.logits.shape[-1]).float(), dim=-1)
     hidden = torch.randn(final.shape, generator=torch.Generator().manual_seed(0))
     labels = ids.reshape(-1)
-    _, l1, _, cand, p_cand = _vocab_terms(draft, hidden, final, labels, k=6)
+    _, l1, _, cand, p_cand = full_vocab_terms(draft, hidden, final, labels, k=6)
     torch.testing.assert_close(p_cand, expected.gather(-1, cand), rtol=1e-4, atol=1e-6)
     draft_p = torch.softmax(draft.logits(hidden).float(), dim=-1)
     torch.testing.assert_close(l1, (draft_p - expected).abs().sum(-1), rtol=1e-4, atol=1e-5)

@@ -1,5 +1,5 @@
 """Outputs that must never replace inputs or foreign files, one run per output directory, and
-full disks over an existing output (issue 32: data loss, item 1 and 4; clear errors, ENOSPC).
+full disks over an existing output (data loss; clear errors on ENOSPC).
 
 The rule every tool follows (`dspine_train.owned_dir`): replace only what the tool itself wrote
 (its marker) or an empty directory, refuse an output overlapping any input, check it before the

@@ -1,5 +1,5 @@
 """Recipe presets (`recipes/preset/`): SpecForge's objective and published settings as study
-variants on top of a recipe, at the recipe's draft size (issue 16, 2b)."""
+variants on top of a recipe, at the recipe's draft size."""
 
 from __future__ import annotations
 

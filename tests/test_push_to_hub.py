@@ -483,7 +483,7 @@ def test_bad_flags_fail_before_any_upload(tmp_path, hf_env, capsys, flags, messa
     assert FakeHfApi.instances == []
 
 
-# ------------------------------------------------------------------ issue 32: links, loading
+# ------------------------------------------------------------------ links, loading
 def _linked_export(tmp_path: Path) -> tuple[Path, Path]:
     """An export with links out of it: to a file, to a folder, and one dangling."""
     export = make_export(tmp_path / "export")

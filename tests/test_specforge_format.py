@@ -21,9 +21,9 @@ from dspine_train.engine import Engine
 from dspine_train.engine.errors import CheckpointError
 from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
-from dspine_train.formats.reference_parity import record_engine_rounds
 from dspine_train.training.config import ModelConfig
 from dspine_train.training.draft_builder import build_draft
+from scripts.tools.bench.reference_parity import record_engine_rounds
 
 NEW = 24  # new tokens per prompt
 VOCAB = 200  # ids the tokenizer uses; the mask token is 200

@@ -25,8 +25,8 @@ from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 
 from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
-from dspine_train.formats.reference_parity import our_block_logits
 from dspine_train.modeling import DSpineDraftModel
+from scripts.tools.bench.reference_parity import our_block_logits
 
 VOCAB = 200  # ids the tokenizer would use; the mask token is 200
 LAYERS = 6  # target depth

@@ -1,4 +1,4 @@
-"""The training study's runner (`dspine_train.ablation.study`): variant checks, skip/resume,
+"""The training study's runner (`scripts.tools.ablation.study`): variant checks, skip/resume,
 session wall time, the wall-time plan, and the report writer - on tiny configs, no training."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspine_train.ablation import runner, study
-from dspine_train.ablation.runner import AblationError
-from dspine_train.ablation.study import (
+from dspine_train.training.block_stats import BlockResults, paired_difference
+from scripts.tools.ablation import runner, study
+from scripts.tools.ablation.runner import AblationError
+from scripts.tools.ablation.study import (
     StudyError,
     StudySettings,
     check_variant_overrides,
@@ -23,17 +24,16 @@ from dspine_train.ablation.study import (
     train_with_sessions,
     training_wall_s,
 )
-from dspine_train.ablation.study_report import (
+from scripts.tools.ablation.study_report import (
     conditional_acceptance,
     target_title,
     write_study_report,
 )
-from dspine_train.ablation.study_variants import (
+from scripts.tools.ablation.study_variants import (
     STUDY_VARIANTS,
     StudyVariant,
     select_study_variants,
 )
-from dspine_train.training.block_stats import BlockResults, paired_difference
 
 
 def tiny_settings(tmp_path: Path, tiny_assets: dict | None = None, **kw) -> StudySettings:
@@ -318,7 +318,7 @@ def test_answers_are_packed_once_and_restored_on_a_fresh_checkout(tmp_path: Path
     from data_prep.backends import backend_identity
     from data_prep.regenerate import SETTINGS_FILE
     from data_prep.shards import read_done_ids
-    from dspine_train.ablation.study_data import (
+    from scripts.tools.ablation.study_data import (
         StudyDataSettings,
         archive_answers,
         greedy_job,
@@ -392,7 +392,7 @@ def test_step_times_side_by_side_on_the_same_batches(tiny_assets: dict, tmp_path
     """`study.py steps`: every variant's real step (its method, vocabulary, precision),
     interleaved on the same batches; the ratios are to the reference, and the report shows
     them."""
-    from dspine_train.ablation.study_steps import time_steps
+    from scripts.tools.ablation.study_steps import time_steps
     from tests._train_helpers import check_ok, run_module, tiny_overrides
 
     features = tmp_path / "features"
@@ -423,20 +423,20 @@ def test_step_times_side_by_side_on_the_same_batches(tiny_assets: dict, tmp_path
 
 
 def test_steps_without_the_study_data_fails_by_name(tmp_path: Path, capsys) -> None:
-    from dspine_train.ablation.study_cli import main
+    from scripts.tools.ablation.study_cli import main
 
     assert main(["--root", str(tmp_path), "steps", "--variants", "dspine"]) == 1
     assert "the study data is not ready" in capsys.readouterr().err
 
 
 def test_steps_refuses_batches_it_would_not_time(tmp_path: Path) -> None:
-    from dspine_train.ablation.study_steps import time_steps
+    from scripts.tools.ablation.study_steps import time_steps
 
     with pytest.raises(StudyError, match="--batches 3, --iters 2"):
         time_steps(tiny_settings(tmp_path), [StudyVariant("dspine", "")], tmp_path, 3, 2)
 
 
-# ------------------------------------------------------------------ issue 32: foreign folders
+# ------------------------------------------------------------------ foreign folders
 def _no_work(monkeypatch: pytest.MonkeyPatch) -> list:
     """Fakes for everything `run_study` runs; the returned list records what it ran."""
     ran: list = []
@@ -553,7 +553,7 @@ def test_the_study_reuses_its_own_folder_for_the_same_request(
 
 @pytest.mark.parametrize("value", [",", "", " , "])
 def test_an_empty_variant_list_is_refused(value: str, capsys: pytest.CaptureFixture) -> None:
-    from dspine_train.ablation.study_cli import main
+    from scripts.tools.ablation.study_cli import main
 
     for command in ("run", "steps"):
         with pytest.raises(SystemExit) as exit_info:

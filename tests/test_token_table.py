@@ -1,4 +1,4 @@
-"""Token table (SPEC 2.1): whitening, agreement with references, file format, head loading, CLI."""
+"""Token table (METHOD 2.1): whitening, agreement with references, file format, head loading, CLI."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def random_head(vocab: int = VOCAB, hidden: int = HIDDEN, seed: int = 0) -> torc
 
 
 def reference_table(weight: torch.Tensor, r: int) -> dict[str, torch.Tensor]:
-    """SPEC 2.1 in float64 on the full matrix, straight from the definition."""
+    """METHOD 2.1 in float64 on the full matrix, straight from the definition."""
     rows = weight.double()
     rows = rows / rows.norm(dim=1, keepdim=True)
     mean = rows.mean(dim=0)

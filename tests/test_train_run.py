@@ -25,7 +25,7 @@ from tests._train_helpers import (
     train_losses,
 )
 
-pytestmark = pytest.mark.slow  # DeepSpeed training runs as module fixtures: > 20 s each
+pytestmark = pytest.mark.slow  # DeepSpeed training runs as module fixtures, slow each
 
 STEPS, HALF = 24, 12
 BLOCK = 8  # the tiny recipe's block size

@@ -1,5 +1,5 @@
 """Training logs a user watches: s/step beside tokens/s, and the demo's logs written as the
-stage runs (issue 16, 2b)."""
+stage runs."""
 
 from __future__ import annotations
 

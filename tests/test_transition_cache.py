@@ -1,4 +1,4 @@
-"""The transition-cache walk equals a naive serial decode, greedy and sampled (SPEC 2.4)."""
+"""The transition-cache walk equals a naive serial decode, greedy and sampled (METHOD 2.4)."""
 
 from __future__ import annotations
 

@@ -33,10 +33,6 @@ from safetensors.torch import load_file
 
 from dspine_train.engine import Engine
 from dspine_train.formats import export_dir, load_draft, write_format
-from dspine_train.formats.reference_parity import (
-    record_engine_rounds,
-    reference_block_logits,
-)
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.modeling.transition_cache import top_candidates, transition_table
 from dspine_train.token_table import build_token_table
@@ -44,6 +40,10 @@ from dspine_train.training.config import ModelConfig, register_configs, to_train
 from dspine_train.training.draft_builder import build_draft, draft_config_for
 from dspine_train.training.errors import TrainingError
 from dspine_train.training.planning import plan_draft_config
+from scripts.tools.bench.reference_parity import (
+    record_engine_rounds,
+    reference_block_logits,
+)
 from tests._train_helpers import REPO, check_ok, run_train, tiny_overrides
 
 VOCAB = 200  # ids the tokenizer uses; the mask token is 200
@@ -292,7 +292,7 @@ def _compose(*overrides: str):
 
 
 def test_the_published_qwen3_8b_draft_fits_the_qwen3_8b_recipe(tmp_path):
-    """The README's warm-start line, planned from configs only: the recipe leaves the structure
+    """docs/TRAINING.md's warm-start line, planned from configs only: the recipe leaves the structure
     to the checkpoint and trains DSpine; the 4B recipe refuses the 8B draft by name."""
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_8B))
     draft = plan_draft_config(_compose("recipe=qwen3_8b", f"model.init_from={tmp_path}"))

@@ -1,4 +1,4 @@
-"""Speculative acceptance as pure tensor functions (SPEC 1, 2.4).
+"""Speculative acceptance as pure tensor functions (METHOD 1, 2.4).
 
 Given `g` draft tokens `d_1..d_g` and the target's distributions at the `g + 1` verified
 positions (`p_0` predicts d_1's position, ..., `p_g` the position after d_g):

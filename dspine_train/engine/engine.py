@@ -1,4 +1,4 @@
-"""The speculative-decoding engine: a target, a DSpine draft, and the loop of SPEC 1 / 2.4.
+"""The speculative-decoding engine: a target, a DSpine draft, and the loop of METHOD 1 / 2.4.
 
 One round for a batch of sequences, each with its own committed length:
 

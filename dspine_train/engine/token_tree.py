@@ -1,6 +1,6 @@
 """Token trees from the DSpine lattice: the top-M paths, merged into one tree of <= N nodes.
 
-The draft's transition cache scores every pair of top-K candidates of adjacent slots (SPEC 2.4):
+The draft's transition cache scores every pair of top-K candidates of adjacent slots (METHOD 2.4):
 `table (B, T, K, K)`, `table[t, i, j]` the score of `cand[t, j]` after `cand[t - 1, i]` (slot 0's
 rows all read the anchor). A path picks one candidate per slot; its score is the sum over slots
 of `log_softmax(table[t, i, :])[j]`, the draft's own conditional log-probability restricted to

@@ -20,7 +20,7 @@ norm epsilon, `num_hidden_layers` = draft layers, `attention_bias`), `architectu
     alignment_warmup_steps     alignment_warmup_steps    (SpecForge default 146, ours 150)
     replacement_layers         replacement_layers
     candidate_mass_threshold   distill_mass_threshold
-    replacement_probability    replacement_probability   the curriculum (SPEC 2.2)
+    replacement_probability    replacement_probability   the curriculum (METHOD 2.2)
     replacement_hold_ratio     replacement_hold_ratio
     replacement_end_ratio      replacement_end_ratio
     is_causal: true / false    block_attention: causal / bidirectional (SpecForge's mask: a slot
@@ -64,7 +64,7 @@ T[true predecessor]`; the last-write refinement `norm(write_N(h_t, f_t, sqrt(r) 
 on the last layer's pre-injection state; the transition-cache walk (its `select_cached`: row 0
 for slot 1, then the row of the chosen candidate, argmax) is our greedy `walk_table` (its
 candidates: `top_k` per slot, taken by its trainer, which is not in the indexed source). Token
-codes are built the same way (SPEC 2.1) and stored, so they load as is. Differences: (1) the
+codes are built the same way (METHOD 2.1) and stored, so they load as is. Differences: (1) the
 write's scale is `||h|| / sqrt(H)` there and `sqrt(mean(h^2) + eps)` here (eps =
 `rms_norm_eps`): a relative change of eps / (2 mean(h^2)) in the scale, 5e-7 at unit RMS - below
 the bfloat16 rounding of the result by four orders of magnitude, so it is not refused, but it is

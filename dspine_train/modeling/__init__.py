@@ -1,4 +1,4 @@
-"""The DSpine draft network (SPEC 1-2.4).
+"""The DSpine draft network (METHOD 1-2.4).
 
 The public names below load on first access. The engine imports this package's light modules
 (`sdpa_attention`, `exponential_race`, `transition_cache`) for plain decoding, which must not

@@ -1,4 +1,4 @@
-"""Attention masks of the training forward (SPEC 1, "Attention").
+"""Attention masks of the training forward (METHOD 1, "Attention").
 
 Keys/values are laid out as `[context (S positions) ; block 0 ; block 1 ; ...]`, queries as
 `[block 0 ; block 1 ; ...]` (A blocks of B slots per sequence). Query slot k of block b sees

@@ -15,8 +15,8 @@ over (sequence length, block size), so a batch of a new padded length reuses the
 Dynamo compiles a new attention graph per: grad mode (training step vs evaluation), batch size
 (the flex kernel specialises it; training keeps `data.batch_size`, evaluation its own), block
 attention kind (causal or bidirectional), device and dtype. A run thus compiles on its first
-training step and on its first evaluation (tens of seconds each on a GPU; 30-90 s on a CPU for
-a tiny forward). Dynamo's default limit of 8 graphs per function is raised to
+training step and on its first evaluation (a noticeable wait each, on a GPU and on a CPU, even
+for a tiny forward). Dynamo's default limit of 8 graphs per function is raised to
 `RECOMPILE_LIMIT` (64) before the first compile; past it `fullgraph=True` makes dynamo raise,
 which surfaces here as `FlexAttentionUnavailable`.
 

@@ -1,4 +1,4 @@
-"""`DSpineConfig`: the configuration of a DSpine draft model (SPEC sections 1-2.5).
+"""`DSpineConfig`: the configuration of a DSpine draft model (METHOD sections 1-2.5).
 
 A draft is always made for one target: its width, head layout, RoPE and vocabulary are the
 target's, and `DSpineConfig.from_target` derives them from any Hugging Face causal-LM config.
@@ -27,7 +27,7 @@ _SCALED_EMBEDDING_MODEL_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers whose outputs feed the draft (SPEC 1), 0-based.
+    """Target layers whose outputs feed the draft (METHOD 1), 0-based.
 
     For N > 1 draft layers: `round(1 + i * (L - 4) / (N - 1))`, i = 0..N-1 (layers 1, 9, 17, 25,
     33 for L = 36, N = 5); for N = 1 the middle layer.
@@ -38,7 +38,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-# What each `method` fixes (SPEC 1, 2.5). `dflash` is the reference DFlash network and decode
+# What each `method` fixes (METHOD 1, 2.5). `dflash` is the reference DFlash network and decode
 # (z-lab's `DFlashDraftModel`): no injection, bidirectional attention inside the block, each slot
 # decoded by its own argmax, and none of DSpine's extra training terms. A field left unset (None)
 # takes its method's value; `dflash` refuses any other value (see `DSpineConfig.__post_init__`).
@@ -128,21 +128,21 @@ class DSpineConfig(PreTrainedConfig):
             `alignment_weight` and `token_ce_intermediate`; an explicit other value is refused).
             The fields it fixes default to None ("the method's value").
         block_attention: "causal" (DSpine) or "bidirectional" (DFlash) attention inside a block.
-        injection: gated adjacent injection (SPEC 2.2); False alone is DSpine without injection
+        injection: gated adjacent injection (METHOD 2.2); False alone is DSpine without injection
             (`method: dflash` is plain DFlash).
         transfer_dim: r, the dimension of the token codes / prediction features.
         message_size: width of the shared message M (r -> message_size).
         replacement_layers: the first layers that use true predecessor codes for the blocks
-            chosen by the replacement curriculum (SPEC 2.2: 3).
+            chosen by the replacement curriculum (METHOD 2.2: 3).
         replacement_probability: p, the share of blocks the curriculum gives true predecessor
-            codes while it holds (SPEC 2.2: 0.5).
+            codes while it holds (METHOD 2.2: 0.5).
         replacement_hold_ratio: share of training during which the share stays at p (1/6).
         replacement_end_ratio: share of training at which the share has fallen linearly to 0
             (1/3); the schedule is `training.curriculum.replacement_share`.
-        readout_init: how the readouts R_l start (SPEC 2.1): "whitened" (ours: a hidden state's
+        readout_init: how the readouts R_l start (METHOD 2.1): "whitened" (ours: a hidden state's
             feature is its whitened position, diag(1/sqrt(eigenvalues)) directions^T) or
             "directions" (SpecForge: the unwhitened directions^T).
-        transition_cache: decode with the (B-1) x K x K transition cache (SPEC 2.4); False decodes
+        transition_cache: decode with the (B-1) x K x K transition cache (METHOD 2.4); False decodes
             each slot by its own argmax.
         candidate_k: K, candidates per slot for refinement and the transition cache.
         draft_vocab_size: N, a pruned draft vocabulary (EAGLE-3 / SpecForge style): the draft
@@ -156,7 +156,7 @@ class DSpineConfig(PreTrainedConfig):
         refine_weight: weight of the refinement term (0 disables it).
         alignment_weight: beta of the layer-wise cosine alignment (0 disables it).
         alignment_warmup_steps: steps over which beta rises linearly to `alignment_weight`.
-        alignment_layer_reduction: how the per-layer alignment terms combine: "sum" (SPEC 2.3
+        alignment_layer_reduction: how the per-layer alignment terms combine: "sum" (METHOD 2.3
             and SpecForge: every layer adds its own term) or "mean" (drafts trained before this
             field existed: the sum divided by the number of layers).
         refine_normalization: what the refinement terms are averaged over: "covered" (ours: the
@@ -221,7 +221,7 @@ class DSpineConfig(PreTrainedConfig):
     method: Literal["dspine", "dflash"] = "dspine"
     block_attention: Literal["causal", "bidirectional"] | None = None
 
-    # DSpine parts (SPEC 2.1-2.4).
+    # DSpine parts (METHOD 2.1-2.4).
     injection: bool | None = None
     transfer_dim: int = 1024
     message_size: int = 512
@@ -234,7 +234,7 @@ class DSpineConfig(PreTrainedConfig):
     candidate_k: int = 16
     draft_vocab_size: int | None = None
 
-    # Objective (SPEC 2.3).
+    # Objective (METHOD 2.3).
     loss_gamma: float = 7.0
     ce_weight: float = 0.1
     distill: bool = True
@@ -435,7 +435,7 @@ class DSpineConfig(PreTrainedConfig):
         self._check_settings()
 
     def _check_settings(self) -> None:
-        """The curriculum, alignment and refinement settings (SPEC 2.2, 2.3)."""
+        """The curriculum, alignment and refinement settings (METHOD 2.2, 2.3)."""
         if self.replacement_layers < 0:
             raise ValueError(f"replacement_layers must be >= 0, got {self.replacement_layers}")
         if not 0.0 <= self.replacement_probability <= 1.0:
@@ -533,7 +533,7 @@ class DSpineConfig(PreTrainedConfig):
         """Derive a draft config from a target's HF config.
 
         Hidden size, heads, head dim, MLP width, RoPE, vocabulary and norm epsilon are copied;
-        `target_layer_ids` follow SPEC 1 for `num_layers` draft layers; `mask_token_id` is the
+        `target_layer_ids` follow METHOD 1 for `num_layers` draft layers; `mask_token_id` is the
         first id beyond the tokenizer's used ids (`len(tokenizer)` or `used_vocab_size`), or,
         when the tokenizer uses every row, its first reserved/unused special token
         (`mask_token.pick_mask_token_id`), unless given in `overrides`. Any other field can be

@@ -1,4 +1,4 @@
-"""Layer-wise gated adjacent injection (SPEC 2.2) and the last-write refinement (SPEC 2.4).
+"""Layer-wise gated adjacent injection (METHOD 2.2) and the last-write refinement (METHOD 2.4).
 
 After draft layer l, every drafted slot t reads its own prediction feature and its
 predecessor's, both *before* any write of this layer, and receives a gated message:
@@ -24,7 +24,7 @@ from .configuration_dspine import DSpineConfig
 
 
 class AdjacentInjection(nn.Module):
-    """The readouts, the shared message/gate and the per-layer writes of SPEC 2.2."""
+    """The readouts, the shared message/gate and the per-layer writes of METHOD 2.2."""
 
     def __init__(self, config: DSpineConfig) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""`DSpineDraftModel`: the DFlash block drafter with gated adjacent injection (SPEC 1-2.4).
+"""`DSpineDraftModel`: the DFlash block drafter with gated adjacent injection (METHOD 1-2.4).
 
 Parameters (HF-style names): `fc` and `hidden_norm` fuse the target's context features,
 `layers.*` are Qwen3-style decoder layers, `norm` is the final norm, `injection.*` holds the
@@ -44,7 +44,7 @@ from .transition_cache import (
 
 @dataclass
 class DSpineTrainOutput:
-    """What the objective of SPEC 2.3 needs from one training forward (no vocabulary logits).
+    """What the objective of METHOD 2.3 needs from one training forward (no vocabulary logits).
 
     hidden: (B, A, Bk, H) last layer output after its injection, before the final norm.
     pre_injection: (B, A, Bk, H) last layer output before its injection.
@@ -104,7 +104,7 @@ class DSpinePreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, inv_freq)
         elif isinstance(module, DSpineDraftModel):
             # Runs after the children (HF initialises bottom-up). The writes and the predecessor
-            # gate start at zero (SPEC 2.2), so an untrained DSpine is exactly its DFlash
+            # gate start at zero (METHOD 2.2), so an untrained DSpine is exactly its DFlash
             # backbone; `init_token_table` sets the codes and the readouts.
             injection = module.injection
             for write in injection.writes:
@@ -125,7 +125,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         self.norm = DSpineRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DSpineRotaryEmbedding(config)
         self.injection = AdjacentInjection(config)
-        # Token codes T (V, r) of the unified transfer space (SPEC 2.1); saved, never trained.
+        # Token codes T (V, r) of the unified transfer space (METHOD 2.1); saved, never trained.
         self.register_buffer(
             "token_codes", torch.zeros(config.vocab_size, config.transfer_dim), persistent=True
         )
@@ -241,7 +241,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
 
         `readout_init: whitened`: R_l = diag(1/sqrt(eigenvalues)) directions^T, so at
         initialisation a hidden state's prediction feature is its (whitened) position in the
-        transfer space (SPEC 2.1); `directions`: R_l = directions^T (SpecForge's init). The
+        transfer space (METHOD 2.1); `directions`: R_l = directions^T (SpecForge's init). The
         feature is normalised either way; the two differ in how each direction is weighted.
         """
         cfg = self.config
@@ -302,7 +302,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         pred_ids: torch.Tensor,
         cand_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """Refined scores S[c, c'] of SPEC 2.4 ("last-write refinement").
+        """Refined scores S[c, c'] of METHOD 2.4 ("last-write refinement").
 
         pre (..., H) last layer pre-injection state, recv (..., r) its feature, pred_ids (..., P)
         predecessor tokens c, cand_ids (..., K) candidates c' -> (..., P, K). Only the K head rows
@@ -330,7 +330,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         use_flex: bool | None = None,
         return_layer_hidden: bool | None = None,
     ) -> DSpineTrainOutput:
-        """All anchors of a batch in one pass (SPEC 1 "Training", 2.2).
+        """All anchors of a batch in one pass (METHOD 1 "Training", 2.2).
 
         input_ids (B, S); context_features (B, S, n*H); anchors (B, A) with padding anchors
         marked False in anchor_mask (B, A); replace_mask (B, A) selects the blocks whose first
@@ -407,7 +407,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         generator: torch.Generator | None = None,
         noise: torch.Tensor | None = None,
     ) -> WalkResult:
-        """Decode drafted tokens from one forward's outputs (SPEC 2.4).
+        """Decode drafted tokens from one forward's outputs (METHOD 2.4).
 
         pre_injection (..., Bk, H), recv_features (..., Bk-1, r), slot_logits (..., Bk-1, V),
         anchor_ids (...,). With `transition_cache` the K x K table walk, else per-slot decode

@@ -1,4 +1,4 @@
-"""The transition cache and the left-to-right conditional decode (SPEC 2.4).
+"""The transition cache and the left-to-right conditional decode (METHOD 2.4).
 
 Every drafted slot t keeps its top-K candidates C_t. The refined score of candidate c' at slot t
 given that its predecessor is token c is `S_t[c, c']`. All pairs (c in C_{t-1}, c' in C_t) are

@@ -128,7 +128,7 @@ class ModelConfig:
         target_dtype: dtype the frozen target runs in ("bfloat16", "float16", "float32").
         tiny_random_target: when `target_path` does not exist, write a tiny random Qwen3 there
             first (the `tiny` recipe and CI; never for a real target).
-        token_table_path: PCA-whitened token codes (SPEC 2.1); built from the target's lm_head
+        token_table_path: PCA-whitened token codes (METHOD 2.1); built from the target's lm_head
             and cached here when missing. None: `<output_dir>/token_table.safetensors`.
         init_from: a draft to start from instead of a fresh draft: a DSpine export (its
             weights and structure; the objective fields this recipe sets are the recipe's:
@@ -191,7 +191,7 @@ class DataConfig:
         eval_path: held-out data; None uses `train_path` (its `eval_split`, when it has one).
         eval_split: split to evaluate on when the eval directory holds a DatasetDict.
         max_length: sequences are cut to this many tokens.
-        num_anchors: blocks sampled per sequence (SPEC 1, "Training").
+        num_anchors: blocks sampled per sequence (METHOD 1, "Training").
         batch_size: sequences per micro-batch per process.
         group_by_length: batch sequences of similar length together (less padding).
         length_group_size: batches per shuffled length-sorted group.
@@ -304,7 +304,7 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    """Simulated acceptance length on the held-out split (SPEC 1, "Inference").
+    """Simulated acceptance length on the held-out split (METHOD 1, "Inference").
 
     Attributes:
         every: optimizer steps between evaluations (0: only at the end).

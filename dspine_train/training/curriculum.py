@@ -1,4 +1,4 @@
-"""The replacement curriculum of SPEC 2.2, read from the draft's config.
+"""The replacement curriculum of METHOD 2.2, read from the draft's config.
 
 For a share p of the blocks, the first `replacement_layers` layers hear the *true* predecessor's
 code instead of the predicted feature; p holds at `replacement_probability` for the first

@@ -22,13 +22,10 @@ class DraftStep(nn.Module):
     during evaluation).
     """
 
-    def __init__(self, draft: DSpineDraftModel, logits_chunk_size: int = 1024,
-                 reference_vocab_terms: bool = False) -> None:
+    def __init__(self, draft: DSpineDraftModel, logits_chunk_size: int = 1024) -> None:
         super().__init__()
         self.draft = draft
         self.logits_chunk_size = logits_chunk_size
-        # the objective's autograd + checkpointing path (slower, same values; the bench's "old")
-        self.reference_vocab_terms = reference_vocab_terms
 
     def forward(
         self,
@@ -61,7 +58,6 @@ class DraftStep(nn.Module):
         return dspine_loss(
             self.draft, out, final_hidden, loss_mask, anchors, anchor_mask, step, total_steps,
             chunk_size=self.logits_chunk_size, target_topk=target_topk,
-            reference=self.reference_vocab_terms,
         )
 
     @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Simulated acceptance length on held-out data (SPEC 1 "Inference", 2.4).
+"""Simulated acceptance length on held-out data (METHOD 1 "Inference", 2.4).
 
 For a block anchored at a, the draft proposes d_1..d_{B-1} with the real decode (`draft.walk`,
 transition cache included) from the training forward (no replacement). The target's greedy
@@ -9,7 +9,7 @@ decode would see. tau = 1 + accepted (the bonus token), in [1, B].
 
 `simulated_acceptance_counts` is the one evaluation loop: the trainer runs it on its held-out
 split every `eval.every` steps (each process a share), and the ablation runs it again on any
-exported draft (`dspine_train.ablation.simulated`), so both measure the same blocks the same way.
+exported draft (`scripts.tools.ablation.simulated`), so both measure the same blocks the same way.
 """
 
 from __future__ import annotations

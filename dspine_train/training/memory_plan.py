@@ -42,7 +42,7 @@ Assumptions (each one is a choice a real run can break; the headroom covers smal
     * The target runs without its lm_head (the objective applies the head per chunk) and
       without a KV cache, under `no_grad`.
     * The loss is computed in chunks of c block slots; only one chunk of full-vocabulary fp32
-      tensors exists at a time (SPEC 4).
+      tensors exists at a time (METHOD 4).
     * Activations are what autograd keeps for backward in the real `DraftStep` forward and
       objective (`draft_activation_elements`); `tests/test_memory_plan.py` measures them.
     * Not counted, left to the headroom: CUDA context and NCCL buffers, DeepSpeed communication
@@ -220,7 +220,7 @@ def draft_parameter_counts(
 ) -> dict[str, int]:
     """Trainable parameters of a DSpine draft for `target_config`, by component.
 
-    The draft's layers have the target's width and head layout (SPEC 1):
+    The draft's layers have the target's width and head layout (METHOD 1):
 
         fc             n*H*H                          Linear(n*H -> H), no bias
         hidden_norm    H                              RMSNorm after fc

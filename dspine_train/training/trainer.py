@@ -2,8 +2,8 @@
 
 One optimizer step = `grad_accum_steps` micro-batches on each of the W processes. Per micro-batch:
 the frozen target yields the context features and its final hidden state, anchors are sampled
-(SPEC 1), a share of blocks gets true predecessor codes (the replacement curriculum, SPEC 2.2),
-all blocks run in one draft forward and `dspine_loss` (SPEC 2.3) is backpropagated through
+(METHOD 1), a share of blocks gets true predecessor codes (the replacement curriculum, METHOD 2.2),
+all blocks run in one draft forward and `dspine_loss` (METHOD 2.3) is backpropagated through
 DeepSpeed, which also accumulates, clips, steps the optimizer and the warmup + cosine schedule.
 
 Everything random in a step is drawn from a generator seeded by (seed, global batch index), and

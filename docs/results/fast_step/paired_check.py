@@ -16,19 +16,22 @@ from pathlib import Path
 
 import torch
 
-from dspine_train.formats import load_draft
-from dspine_train.objective import sample_anchors
-from dspine_train.training.data import TokenBatches
-from dspine_train.training.draft_step import DraftStep
-from dspine_train.training.evaluation import (
+# the repository root, for the `scripts` package (run as a script from anywhere)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from dspine_train.formats import load_draft  # noqa: E402
+from dspine_train.objective import sample_anchors  # noqa: E402
+from dspine_train.training.data import TokenBatches  # noqa: E402
+from dspine_train.training.draft_step import DraftStep  # noqa: E402
+from dspine_train.training.evaluation import (  # noqa: E402
     EVAL_SEED_OFFSET,
     batch_generator,
     evaluation_plan,
 )
-from dspine_train.training.inputs import check_inputs
-from dspine_train.training.offline_features import OfflineFeatures, cache_identity
-from dspine_train.training.step_bench import compose_recipe
-from dspine_train.training.target import read_embedding_and_head
+from dspine_train.training.inputs import check_inputs  # noqa: E402
+from dspine_train.training.offline_features import OfflineFeatures, cache_identity  # noqa: E402
+from dspine_train.training.target import read_embedding_and_head  # noqa: E402
+from scripts.tools.bench.step_bench import compose_recipe  # noqa: E402
 
 ART = "artifacts"
 

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from ..modeling import DSpineDraftModel
-from ..training.block_stats import BlockResults
-from ..training.config import TrainConfig, validate_config
-from ..training.data import TokenBatches, load_token_dataset, split_names
-from ..training.draft_step import DraftStep
-from ..training.evaluation import (
+from dspine_train.modeling import DSpineDraftModel
+from dspine_train.training.block_stats import BlockResults
+from dspine_train.training.config import TrainConfig, validate_config
+from dspine_train.training.data import TokenBatches, load_token_dataset, split_names
+from dspine_train.training.draft_step import DraftStep
+from dspine_train.training.evaluation import (
     AcceptanceStats,
     evaluation_plan,
     every_block_plan,
@@ -29,8 +29,8 @@ from ..training.evaluation import (
     simulated_block_accepts,
     stats_from_counts,
 )
-from ..training.offline_features import OfflineFeatures, cache_identity
-from ..training.target import read_embedding_and_head
+from dspine_train.training.offline_features import OfflineFeatures, cache_identity
+from dspine_train.training.target import read_embedding_and_head
 
 
 def load_run_config(path: Path) -> TrainConfig:

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless
 import matplotlib.pyplot as plt  # noqa: E402
 
-# The aim of issue 16: DSpine's held-out simulated tau and its ratio to the DFlash baseline.
+# The study's aim: DSpine's held-out simulated tau and its ratio to the DFlash baseline.
 AIM_TAU = 1.6
 AIM_RATIO = 1.25
 
@@ -261,7 +261,7 @@ def write_study_report(records: list[dict[str, Any]], meta: dict[str, Any],
     markdown file of hand-written findings, copied into the report when it exists (the report
     is rewritten after every piece of the study, so the reading lives in its own file).
     `step_times`: the JSON of `study.py steps`, shown when it exists."""
-    from ..checkpoint_io import write_text_atomic
+    from dspine_train.checkpoint_io import write_text_atomic
 
     stem.parent.mkdir(parents=True, exist_ok=True)
     md, js, png = (stem.with_name(stem.name + suffix) for suffix in (".md", ".json", ".png"))

@@ -30,10 +30,10 @@ def _variant_step(settings: StudySettings, variant: StudyVariant, work_dir: Path
     """The variant's step (`PathStep` on the trainer's path) and its first `batches` batches;
     `embed`, `head`: the target's, read once for every variant. Token tables are built once
     per transfer width in `work_dir`."""
-    from ..training.draft_builder import build_draft, load_or_build_token_table
-    from ..training.draft_vocab import prune_draft_vocab, tokenizer_or_none
-    from ..training.inputs import check_inputs
-    from ..training.step_bench import PathStep, StepPath, first_batches
+    from dspine_train.training.draft_builder import build_draft, load_or_build_token_table
+    from dspine_train.training.draft_vocab import prune_draft_vocab, tokenizer_or_none
+    from dspine_train.training.inputs import check_inputs
+    from scripts.tools.bench.step_bench import PathStep, StepPath, first_batches
 
     arguments = [a for a in settings.train_arguments(variant) if not a.startswith("output_dir=")]
     config = compose_train_config([*arguments, f"output_dir={work_dir / variant.name}"])
@@ -61,7 +61,7 @@ def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_d
     """Step times of `variants`, interleaved (see the module docstring). Each variant's time
     is the mean over the batches of its fastest step on that batch (the least disturbed);
     `ratio` is that time over the reference's (> 1: slower than the reference)."""
-    from ..training.target import read_embedding_and_head
+    from dspine_train.training.target import read_embedding_and_head
 
     if not 1 <= batches <= iters:
         raise StudyError(f"--batches {batches}, --iters {iters}: time every batch at least "
@@ -111,7 +111,7 @@ def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_d
 def write_step_times(result: dict[str, Any], path: Path) -> Path:
     """Write `result` to `path` (whole or not at all), replacing an earlier run: ratios hold
     within one run only."""
-    from ..checkpoint_io import write_text_atomic
+    from dspine_train.checkpoint_io import write_text_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=2) + "\n")

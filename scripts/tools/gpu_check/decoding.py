@@ -12,13 +12,13 @@ import torch
 import transformers
 
 from dspine_train.engine import Engine, TargetModel
-from dspine_train.engine.oracle_draft import OracleDraft, OracleDraftConfig
-from dspine_train.gpu_check.context import (
+from scripts.tools.bench.oracle_draft import OracleDraft, OracleDraftConfig
+from scripts.tools.gpu_check.context import (
     Check,
     Figures,
     make_engine,
 )
-from dspine_train.gpu_check.models import (
+from scripts.tools.gpu_check.models import (
     hf_greedy,
     save_tiny_target,
     train_draft_briefly,
@@ -34,8 +34,8 @@ def section_exactness(ck: Check, fig: Figures) -> None:
     gen = torch.Generator().manual_seed(0)
     lengths = [3, 7, 1, 5]  # the ragged batch; batch 1 is its first prompt
     prompts = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in lengths]
-    # The draft overfits the target's own continuations of these prompts (a few seconds on a
-    # CPU), so the checks below see many tokens accepted: every acceptance pattern occurs.
+    # The draft overfits the target's own continuations of these prompts (a short fit), so the
+    # checks below see many tokens accepted: every acceptance pattern occurs.
     sequences = torch.tensor([p + hf_greedy(hf, p, 40 - len(p)) for p in prompts])
     config = DSpineConfig.from_target(hf.config, used_vocab_size=200, num_layers=2, block_size=16,
                                       transfer_dim=16, message_size=16, candidate_k=4)
@@ -192,7 +192,7 @@ def bf16_agreement(ck: Check, engine: Engine, sequence: list[int]) -> dict[str, 
     margin says whether it was a near-tie (possible in bf16) or a real difference.
     """
     try:
-        from dspine_train.engine.agreement import teacher_forced_agreement
+        from scripts.tools.bench.agreement import teacher_forced_agreement
     except ImportError:
         tokens = torch.tensor(sequence, device=ck.device)
         return {"local_g15": local_agreement(engine.target, tokens, prefix=16, rows=16)}

@@ -21,27 +21,31 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from ..modeling import DSpineDraftModel
-from ..objective import dspine_loss, sample_anchors
-from ..vocab_loss import target_topk
-from .config import TrainConfig, register_configs, to_train_config
-from .data import BatchStream, TokenBatches
-from .draft_builder import build_draft, load_or_build_token_table
-from .draft_step import DraftStep
-from .draft_vocab import prune_draft_vocab, tokenizer_or_none
-from .evaluation import batch_generator
-from .inputs import check_inputs
-from .offline_features import OfflineFeatures, cache_identity
-from .planning import plan_draft_config
-from .step_profile import PARTS, StepProfile, describe_plan, flop_plan
-from .target import TargetFeatures, read_embedding_and_head
+from dspine_train.modeling import DSpineDraftModel
+from dspine_train.objective import dspine_loss, sample_anchors
+from dspine_train.training.config import TrainConfig, register_configs, to_train_config
+from dspine_train.training.data import BatchStream, TokenBatches
+from dspine_train.training.draft_builder import build_draft, load_or_build_token_table
+from dspine_train.training.draft_step import DraftStep
+from dspine_train.training.draft_vocab import prune_draft_vocab, tokenizer_or_none
+from dspine_train.training.evaluation import batch_generator
+from dspine_train.training.inputs import check_inputs
+from dspine_train.training.offline_features import OfflineFeatures, cache_identity
+from dspine_train.training.planning import plan_draft_config
+from dspine_train.training.target import TargetFeatures, read_embedding_and_head
+from dspine_train.vocab_loss import target_topk
+from scripts.tools import REPO
+from scripts.tools.bench.reference_objective import ReferenceDraftStep
 
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+from .step_profile import PARTS, StepProfile, describe_plan, flop_plan
+
+RECIPES = REPO / "recipes"
 
 
 @dataclass(frozen=True)
 class StepPath:
-    """One way of making the step: `reference` objective, cached `topk` target, `bf16` draft,
+    """One way of making the step: the `reference` objective (`reference_objective`), cached
+    `topk` target, `bf16` draft,
     `pruned` draft vocabulary (`--draft-vocab` ids)."""
 
     reference: bool
@@ -109,7 +113,7 @@ class PathStep:
         self.path = path
         self.draft = copy.deepcopy(pruned if path.pruned else draft).to(dtype)
         self.draft.bind_target(embed.to(dtype), head.to(dtype))
-        self.step = DraftStep(self.draft, chunk, reference_vocab_terms=path.reference)
+        self.step = (ReferenceDraftStep if path.reference else DraftStep)(self.draft, chunk)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=lr, betas=(0.9, 0.95))
 
     def __call__(self, item, profile: StepProfile | None = None) -> float:  # noqa: ANN001

@@ -1,4 +1,4 @@
-"""The study's data (issue 16, section 3): prompts, the target's answers, token data, held-out sets.
+"""The study's data : prompts, the target's answers, token data, held-out sets.
 
 Layout of a study data directory `<data>/` (`artifacts/study/data` by default):
 
@@ -14,7 +14,7 @@ Layout of a study data directory `<data>/` (`artifacts/study/data` by default):
     meta.json                  settings (dtype of the regeneration included) and wall time of
                                every stage
 
-The target's answers are the expensive part (52 minutes on 2 cores) and a working session keeps
+The target's answers are the expensive part of the data and a working session keeps
 nothing but what is committed, so each finished part is also packed into an *answers archive*
 (`<answers_dir>/<part>.jsonl.gz` + `manifest.json`, committed under `docs/results/`). A later
 run on a fresh checkout restores the answers from it instead of regenerating them, after
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint_io import write_json_atomic
+from dspine_train.checkpoint_io import write_json_atomic
 
 
 @dataclass
@@ -91,7 +91,7 @@ PARTS = ("train", "heldout")
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    from ..checkpoint_io import write_text_atomic
+    from dspine_train.checkpoint_io import write_text_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -240,7 +240,7 @@ def archive_answers(settings: StudyDataSettings, part: str, stage: dict[str, Any
                            f"({len(rows)} answers); not archived")
     raw = text.encode("utf-8")
     target = settings.answers_dir / f"{part}.jsonl.gz"
-    from ..checkpoint_io import write_bytes_atomic
+    from dspine_train.checkpoint_io import write_bytes_atomic
 
     write_bytes_atomic(target, gzip.compress(raw, compresslevel=9, mtime=0))
     recorded = json.loads((source / SETTINGS_FILE).read_text())
@@ -295,7 +295,7 @@ def restore_answers(settings: StudyDataSettings, part: str) -> dict[str, Any] | 
     if sorted(ids) != sorted(prompts):
         raise RuntimeError(f"{where}: {part} answers {len(ids)} prompts, not exactly the "
                            f"{len(prompts)} of prompts/{part}.jsonl")
-    from ..checkpoint_io import write_text_atomic
+    from dspine_train.checkpoint_io import write_text_atomic
 
     output.mkdir(parents=True, exist_ok=True)
     write_json_atomic(output / SETTINGS_FILE, current)

@@ -1,4 +1,4 @@
-"""The variants of the training study (issue 16, section 3), as Hydra override lists.
+"""The variants of the training study, as Hydra override lists.
 
 Every variant trains on the same target, data, steps, batch and seed; a variant is the demo
 recipe (`recipes/recipe/qwen2.5_coder_0.5b.yaml`) plus the `train.py` overrides listed here,
@@ -68,8 +68,8 @@ STUDY_VARIANTS: dict[str, StudyVariant] = {
         StudyVariant("dspine_pruned_vocab", f"DSpine with a pruned {PRUNED_VOCAB}-token draft "
                      "vocabulary", (f"model.draft_vocab_size={PRUNED_VOCAB}",)),
         # the study trains in bf16 (bf16 draft, fp32 master weights: `--precision`); this row
-        # measures what that costs against fp32. Optional: its step costs 2.3x bf16's on the
-        # 2-core CPU (`study.py steps`), about two hours of training; a paired 150-step check
+        # measures what that costs against fp32. Optional: its step costs over twice bf16's on a
+        # CPU (`study.py steps` measures it), the longest row to train; a paired 150-step check
         # is in docs/results/fast_step/
         StudyVariant("dspine_fp32", "DSpine trained in fp32 (the other rows: bf16)",
                      ("precision=fp32",), optional=True),

@@ -52,7 +52,7 @@ def data_summary(path: str) -> str:
     """Rows and tokens of each split of a tokenised dataset directory."""
     import datasets
 
-    from ..training.data import split_names
+    from dspine_train.training.data import split_names
 
     splits = split_names(path)
     if not splits:

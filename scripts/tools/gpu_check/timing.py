@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from dspine_train.engine import Engine
-from dspine_train.gpu_check.context import (
+from scripts.tools.gpu_check.context import (
     Check,
     Figures,
     median_ms,
@@ -45,7 +45,7 @@ def step_times(ck: Check, engine: Engine) -> tuple[dict[str, float], str]:
     """Median ms of a plain step, verify at g + 1 in {4, 8, 16}, a draft step and a commit (batch
     1), by the engine's own `profiling.time_engine_steps` where this version has it."""
     try:
-        from dspine_train.engine.profiling import time_engine_steps
+        from scripts.tools.bench.engine_profiling import time_engine_steps
     except ImportError:
         return local_step_times(ck, engine), "local (no engine.profiling in this engine version)"
     ms: dict[str, float] = {}
@@ -55,7 +55,7 @@ def step_times(ck: Check, engine: Engine) -> tuple[dict[str, float], str]:
         if g == 15:
             ms.update(plain_step=round(steps["plain_ms"], 4), draft_step=round(steps["draft_ms"], 4),
                       commit=round(steps["commit_ms"], 4))
-    return ms, "dspine_train.engine.profiling.time_engine_steps"
+    return ms, "scripts.tools.bench.engine_profiling.time_engine_steps"
 
 
 def local_step_times(ck: Check, engine: Engine) -> dict[str, float]:

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from dspine_train.gpu_check.context import REPO, Check, Figures, Skip
-from dspine_train.gpu_check.decoding import section_exactness, section_real_shapes
-from dspine_train.gpu_check.environment import section_environment, section_gpu_tests
-from dspine_train.gpu_check.memory import section_memory
-from dspine_train.gpu_check.timing import section_timings
+from scripts.tools.gpu_check.context import REPO, Check, Figures, Skip
+from scripts.tools.gpu_check.decoding import section_exactness, section_real_shapes
+from scripts.tools.gpu_check.environment import section_environment, section_gpu_tests
+from scripts.tools.gpu_check.memory import section_memory
+from scripts.tools.gpu_check.timing import section_timings
 
 SECTIONS: list[tuple[str, Callable[[Check, Figures], None]]] = [
     ("environment", section_environment),

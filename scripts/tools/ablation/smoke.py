@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..training.tiny_assets import (
+from dspine_train.training.tiny_assets import (
     write_synthetic_dataset,
     write_tiny_target,
     write_tiny_tokenizer,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import transformers
 
-from dspine_train.gpu_check.context import (
+from scripts.tools.gpu_check.context import (
     GIB,
     REPO,
     Check,
@@ -24,7 +24,7 @@ from dspine_train.gpu_check.context import (
     make_engine,
     recipe_draft,
 )
-from dspine_train.gpu_check.models import (
+from scripts.tools.gpu_check.models import (
     margin_target,
     tiny_qwen3_config,
 )
@@ -175,7 +175,7 @@ def probe_attention(ck: Check) -> dict[str, Any]:
     recorder = _sdpa_recorder()
     report: dict[str, Any] = {}
     try:
-        from dspine_train.engine.profiling import sdpa_backends
+        from scripts.tools.bench.engine_profiling import sdpa_backends
     except ImportError:
         report["engine_sdpa_backends"] = "no engine.profiling in this engine version"
     else:

@@ -30,11 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir
-from ..training.block_stats import BlockResults
+from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from dspine_train.training.block_stats import BlockResults
+from scripts.tools import REPO
+
 from .variants import Variant
 
-REPO = Path(__file__).resolve().parents[2]
 FEATURES_DIR = "features"
 TOKEN_TABLE = "token_table.safetensors"
 REQUEST_FILE = "request.json"
@@ -262,7 +263,7 @@ def train_variant(
     if (settings.export_dir(variant) / "config.json").is_file():
         print(f"[ablate] {variant.name}: export exists, skipping training")
         return False
-    from ..training.checkpointing import STATE_FILE, complete_checkpoints
+    from dspine_train.training.checkpointing import STATE_FILE, complete_checkpoints
 
     # An interrupted run resumes from its last checkpoint (`checkpoint.resume_from=latest`).
     done = complete_checkpoints(run_dir / "checkpoints")
@@ -405,9 +406,8 @@ def harness_evaluator(target: str, settings: AblationSettings,
     `AblationError` naming the export.
     """
     from data_prep.benchmarks import load_benchmark
-
-    from .. import eval_harness
-    from ..engine import CheckpointError, GenerationInputError, IncompatibleDraftError
+    from dspine_train import eval_harness
+    from dspine_train.engine import CheckpointError, GenerationInputError, IncompatibleDraftError
 
     def run(export_dir: Path) -> list[dict]:
         try:
@@ -439,7 +439,8 @@ def collect_row(
 ) -> dict[str, Any]:
     """One table row: the variant, the budget its weights were trained with (read back from
     the run's own saved config), its final losses and its evaluation."""
-    from ..training.tracking import read_metrics
+    from dspine_train.training.tracking import read_metrics
+
     from .report import final_losses
     from .simulated import load_run_config
 
@@ -481,7 +482,7 @@ def collect_row(
 
 def _paired_vs_dspine(settings: AblationSettings, variant: Variant) -> dict[str, float] | None:
     """The variant's simulated tau minus `dspine`'s on the same held-out blocks, with SEs."""
-    from ..training.block_stats import paired_difference
+    from dspine_train.training.block_stats import paired_difference
 
     mine = settings.run_dir(variant) / BLOCKS_FILE
     reference = settings.out_dir / "dspine" / BLOCKS_FILE

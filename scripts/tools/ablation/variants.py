@@ -1,4 +1,4 @@
-"""The variants of the ablation study (SPEC 2.5): each is DSpine with one part switched off.
+"""The variants of the ablation study (METHOD 2.5): each is DSpine with one part switched off.
 
 A variant is a set of `DSpineConfig` switches applied on top of the recipe. Most are trained;
 a decode-time switch (`transition_cache`) needs no training of its own: it reuses another
@@ -47,11 +47,11 @@ def _hydra_value(value: Any) -> str:
     return str(value)
 
 
-# Order is the table's order. `dflash` is the reference DFlash draft (`method: dflash`, SPEC 1):
+# Order is the table's order. `dflash` is the reference DFlash draft (`method: dflash`, METHOD 1):
 # no injection, bidirectional block attention, per-slot decode, and none of DSpine's extra terms
 # (the cosine alignment would still pull its readouts - and so the backbone - towards the token
 # codes, and the refinement term would add a candidate CE over the same logits); its export
-# loads in z-lab's `dflash` client. The backbone objective (label CE + distillation, SPEC 2.3) is
+# loads in z-lab's `dflash` client. The backbone objective (label CE + distillation, METHOD 2.3) is
 # kept, so the row isolates what DSpine adds.
 VARIANTS: dict[str, Variant] = {
     v.name: v

@@ -1,9 +1,9 @@
-"""GPU check: the CUDA paths of the engine and the trainer, proved in a few minutes.
+"""GPU check: the CUDA paths of the engine and the trainer, proved in one short run.
 
 Modules: `context` (settings, shared models, device helpers), `models` (local random models),
 `environment` (1, 2), `decoding` (3, 4), `timing` (5), `memory` (6), `runner` (report, CLI).
 
-    python scripts/gpu_check.py --out docs/results/gpu_check           # one H200: < 8 min
+    python scripts/gpu_check.py --out docs/results/gpu_check           # one GPU
     python scripts/gpu_check.py --device cpu --tiny --out /tmp/check   # CI: every step, tiny
 
 Writes OUT/gpu_check.json and OUT/gpu_check.md. Six sections, each a dict with `status`

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import transformers
 
-from dspine_train.gpu_check.context import (
+from scripts.tools.gpu_check.context import (
     GIB,
     REPO,
     Check,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..modeling import DSpineDraftModel
+from dspine_train.modeling import DSpineDraftModel
 
 
 def our_block_logits(draft: DSpineDraftModel, feats: torch.Tensor, anchor: int) -> torch.Tensor:

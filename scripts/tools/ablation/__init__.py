@@ -1,4 +1,4 @@
-"""The ablation study of SPEC 2.5 (`scripts/ablate.py`): DFlash, DSpine, and DSpine with one
+"""The ablation study of METHOD 2.5 (`scripts/ablate.py`): DFlash, DSpine, and DSpine with one
 part switched off, trained on the same target, data, budget and seed, measured the same way.
 
     variants.py   the rows: `Variant` (config switches; trained, or derived from another's weights)

@@ -1,4 +1,4 @@
-"""Running the training study (issue 16, section 3) in resumable pieces.
+"""Running the training study in resumable pieces.
 
 Layout of a study directory `<out>/` (`artifacts/study/run` by default):
 
@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..training.block_stats import BlockResults, paired_difference
+from dspine_train.training.block_stats import BlockResults, paired_difference
+
 from .runner import (
     REPO,
     REQUEST_FILE,
@@ -148,7 +149,7 @@ def compose_train_config(overrides: Sequence[str]) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from ..training.config import register_configs, to_train_config
+    from dspine_train.training.config import register_configs, to_train_config
 
     register_configs()
     GlobalHydra.instance().clear()
@@ -163,8 +164,12 @@ def check_variant_overrides(settings: StudySettings, variants: Sequence[StudyVar
     Raises `StudyError` naming the variant and the first problem (an override key the schema
     lacks, e.g. a setting not merged yet, or a value the draft refuses).
     """
-    from ..training.inputs import draft_config_for
-    from ..training.target import load_target_config, load_target_tokenizer, used_vocab_size
+    from dspine_train.training.inputs import draft_config_for
+    from dspine_train.training.target import (
+        load_target_config,
+        load_target_tokenizer,
+        used_vocab_size,
+    )
 
     problems = []
     for variant in variants:
@@ -266,7 +271,7 @@ def plan_lines(settings: StudySettings, variants: Sequence[StudyVariant],
 
 def resume_step(run_dir: Path) -> int:
     """The step of the run's latest complete checkpoint (0 when none)."""
-    from ..training.checkpointing import STATE_FILE, complete_checkpoints
+    from dspine_train.training.checkpointing import STATE_FILE, complete_checkpoints
 
     done = complete_checkpoints(run_dir / "checkpoints")
     return int(json.loads((done[-1] / STATE_FILE).read_text())["step"]) if done else 0
@@ -366,7 +371,7 @@ def evaluate_final(settings: StudySettings, variant: StudyVariant, target: str) 
 def curve(run_dir: Path) -> list[dict[str, Any]]:
     """The learning curve: each evaluation's metrics, with the training terms logged at or
     just before that step (loss terms, candidate coverage)."""
-    from ..training.tracking import read_metrics
+    from dspine_train.training.tracking import read_metrics
 
     history = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() \
         else []
@@ -401,7 +406,8 @@ def variant_record(settings: StudySettings, variant: StudyVariant,
                    result: dict[str, Any]) -> dict[str, Any]:
     """Everything the report shows about one finished variant (paired differences are added
     from the archive when the report is written: `with_pairs`)."""
-    from ..training.tracking import read_metrics
+    from dspine_train.training.tracking import read_metrics
+
     from .report import final_losses
     from .simulated import load_run_config
 
@@ -476,7 +482,7 @@ def archive_variant(settings: StudySettings, variant: StudyVariant, record: dict
                     request: dict[str, Any], meta: dict[str, Any]) -> Path:
     """Copy a finished variant's record and per-block results into the archive (the record
     last, so an interrupted copy leaves the variant unarchived)."""
-    from ..checkpoint_io import write_json_atomic
+    from dspine_train.checkpoint_io import write_json_atomic
 
     run_dir, target = settings.run_dir(variant), settings.archived_dir(variant)
     shutil.rmtree(target, ignore_errors=True)

@@ -18,9 +18,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from scripts.tools import REPO
+
 from .study_data import StudyDataSettings, prepare
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_ROOT = REPO / "artifacts" / "study"
 TARGET_NAME = "qwen2.5-coder-0.5b"
 # What a session must keep of the study is committed here: the target's answers and the
@@ -147,7 +148,7 @@ def shared_overrides(args: argparse.Namespace, data: StudyDataSettings) -> list[
 
 def default_steps(train_path: Path, batch_size: int) -> int:
     """max(MIN_STEPS, MIN_EPOCHS epochs) at `batch_size` rows a step."""
-    from ..training.data import load_token_dataset
+    from dspine_train.training.data import load_token_dataset
 
     rows = len(load_token_dataset(str(train_path), "train", "data.train_path"))
     return max(MIN_STEPS, math.ceil(MIN_EPOCHS * math.ceil(rows / batch_size)))

@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from .. import objective, vocab_loss
-from ..modeling import DSpineConfig, DSpineDraftModel
-from . import draft_step
+from dspine_train import objective, vocab_loss
+from dspine_train.modeling import DSpineConfig, DSpineDraftModel
+from dspine_train.training import draft_step
+
+from . import reference_objective
 
 PARTS = ("draft layers (forward)", "draft vocabulary projection", "target distribution",
          "refinement", "alignment", "objective (rest)", "backward (rest)", "optimizer")
@@ -61,9 +63,10 @@ class StepProfile:
             (draft, "forward", "draft layers (forward)"),
             (draft, "target_logits", "target distribution"),
             (draft, "refined_scores", "refinement"),
-            (objective, "_vocab_terms", "draft vocabulary projection"),
+            (objective, "full_vocab_terms", "draft vocabulary projection"),
             (objective, "backbone_vocab_terms", "draft vocabulary projection"),
             (draft_step, "dspine_loss", "objective (rest)"),
+            (reference_objective, "reference_dspine_loss", "objective (rest)"),
             (vocab_loss.TargetDistribution, "at", "target distribution"),
             (objective.F, "cosine_similarity", "alignment"),
         ]

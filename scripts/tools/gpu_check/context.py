@@ -13,12 +13,12 @@ import torch
 import transformers
 
 from dspine_train.engine import Engine, TargetConfig, TargetModel
-from dspine_train.gpu_check.models import (
+from scripts.tools import REPO
+from scripts.tools.gpu_check.models import (
     margin_target,
     tiny_qwen3_config,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 GIB = 1024**3
 
 
