@@ -13,10 +13,9 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from dspine_train.modeling.sdpa_attention import masked_attention
-
 from .compiled_flex import BlockMask, compiled_flex_attention
 from .configuration_dspine import DSpineConfig
+from .sdpa_attention import masked_attention
 
 AttentionMask = torch.Tensor  # dense boolean mask (True = may attend), or a flex BlockMask
 
