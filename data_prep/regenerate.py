@@ -34,7 +34,6 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from data_prep.backends import Backend, backend_identity, build_backend
-from data_prep.cli_errors import os_error_line
 from data_prep.config import (
     RECIPES_PATH,
     DataConfig,
@@ -54,6 +53,7 @@ from data_prep.shards import (
 )
 from data_prep.sources import SourceRows, load_source
 from dspine_train.checkpoint_io import write_text_atomic
+from dspine_train.cli_errors import os_error_line
 
 SETTINGS_FILE = "regenerate_settings.json"
 REPORT_FILE = "regenerate_report.json"

@@ -42,7 +42,6 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from data_prep.cli_errors import existing_output, os_error_line, write_os_error
 from data_prep.config import RECIPES_PATH, DataConfig, TokenizeConfig, Truncation, to_data_config
 from data_prep.loss_mask import TemplateError, end_of_turn_token, longest_run, tokenize_conversation
 from data_prep.readers import read_rows
@@ -51,6 +50,7 @@ from data_prep.shards import shard_paths
 from data_prep.sources import is_heldout
 from dspine_train.chat_template import chat_template_fingerprint
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from dspine_train.cli_errors import existing_output, os_error_line, write_os_error
 from dspine_train.output_lock import OutputLockedError, lock_output
 from dspine_train.owned_dir import check_no_overlap, check_replaceable, write_marker
 

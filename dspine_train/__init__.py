@@ -1,9 +1,9 @@
 """dspine-train: train and serve DSpine parallel draft models for lossless speculative decoding.
 
 `DSpineConfig` / `DSpineDraftModel` are imported lazily: `import dspine_train.engine` (and the
-CLIs) must not pull in transformers' model machinery, which imports accelerate. Importing
-`dspine_train.modeling` (which any access to these names does) registers the `dspine` model
-type with `AutoConfig` / `AutoModel`.
+CLIs) must not pull in transformers' model machinery, which imports accelerate. Accessing
+these names loads the model, which registers the `dspine` model type with `AutoConfig` /
+`AutoModel`.
 """
 
 from __future__ import annotations

@@ -11,12 +11,13 @@ training-time simulation): tau and per-position acceptance from its verification
 speculative decoding against plain decoding of the same target on the same prompts, and, at
 temperature 0, whether both produced the same tokens for every prompt (lossless).
 
-The harness measures `Benchmark`s (prompts, their ids and the split record) that the caller
-loads; `data_prep.benchmarks.load_benchmark` reads the builtin held-out sets (``humaneval``,
-``sharegpt``: the data pipeline's own held-out split, so a draft trained on those recipes has
-never seen a benchmark prompt) and local JSONL prompt files. Like the engine it sits beside,
-this module imports nothing from `data_prep`, from training or from a CLI module (a test checks
-it); every result records the split settings and the ids of the prompts it used.
+The harness measures `Benchmark`s (`dspine_train.benchmark_prompts`: prompts, their ids and the
+split record) that the caller loads; `data_prep.benchmarks.load_benchmark` reads the builtin
+held-out sets (``humaneval``, ``sharegpt``: the data pipeline's own held-out split, so a draft
+trained on those recipes has never seen a benchmark prompt) and local JSONL prompt files. Like the
+engine it sits beside, this module imports nothing from `data_prep`, from training or from a CLI
+module (a test checks it); every result records the split settings and the ids of the prompts it
+used.
 """
 
 from __future__ import annotations
@@ -31,28 +32,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dspine_train.benchmark_prompts import Benchmark, BenchmarkError, Messages
 from dspine_train.checkpoint_io import write_atomic, write_text_atomic
 from dspine_train.engine.stats import sum_stats
 
 RESULTS_FORMAT = "dspine-eval-results/1"
-
-Messages = list[dict[str, str]]
-
-
-class BenchmarkError(ValueError):
-    """A benchmark cannot be loaded or evaluated; the message names the file, line or field."""
-
-
-# ---------------------------------------------------------------------------------- prompts
-@dataclass
-class Benchmark:
-    """Prompts of one benchmark, their row ids, and how they were chosen (the split record)."""
-
-    name: str
-    prompts: list[Messages]
-    ids: list[str]
-    split: dict[str, Any]
-
 
 # ---------------------------------------------------------------------------------- results
 @dataclass

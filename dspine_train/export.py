@@ -23,7 +23,7 @@ import sys
 
 import transformers
 
-from data_prep.cli_errors import existing_output, os_error_line, write_os_error
+from dspine_train.cli_errors import existing_output, os_error_line, write_os_error
 from dspine_train.formats import FORMATS, FormatError, export_dir
 from dspine_train.output_lock import OutputLockedError
 

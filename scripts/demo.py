@@ -287,9 +287,11 @@ def stage_token_table(demo: Demo) -> dict[str, Any]:
 
 
 def stage_features(demo: Demo) -> dict[str, Any]:
-    """The target's context features of every row, once (`python -m data_prep.cache_features`)."""
+    """The target's context features of every row, once
+    (`python -m dspine_train.training.cache_features`)."""
     shutil.rmtree(demo.path("features"), ignore_errors=True)
-    run_logged([sys.executable, "-m", "data_prep.cache_features", *train_overrides(demo)],
+    run_logged([sys.executable, "-m", "dspine_train.training.cache_features",
+                *train_overrides(demo)],
                demo.path("logs", "features.log"), "caching the target features",
                env=offline_env(demo.args.threads), error=DemoError)
     return {"bytes": sum(p.stat().st_size for p in demo.path("features").rglob("*") if p.is_file())}

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from data_prep.benchmarks import load_benchmark
+from dspine_train.benchmark_prompts import BenchmarkError
 from dspine_train.engine.cli import device_problem
 from dspine_train.engine.errors import (
     CheckpointError,
@@ -39,7 +40,6 @@ from dspine_train.engine.errors import (
 )
 from dspine_train.eval_harness import (
     RESULTS_FORMAT,
-    BenchmarkError,
     BenchResult,
     evaluate,
     plot_results,

@@ -274,7 +274,7 @@ def _token_dataset(path: Path, loss_mask: list[int]) -> Path:
 @pytest.mark.parametrize("mask", [[0] * 6, [1, 0, 1, 0, 1, 0]], ids=["none", "no_pair"])
 def test_cache_features_refuses_data_without_supervised_tokens(mask, tiny_assets, tmp_path,
                                                                monkeypatch, capsys):
-    from data_prep.cache_features import main
+    from dspine_train.training.cache_features import main
 
     data = _token_dataset(tmp_path / "data", mask)
     features = tmp_path / "features"
@@ -288,7 +288,7 @@ def test_cache_features_refuses_data_without_supervised_tokens(mask, tiny_assets
 def test_cache_features_full_disk_names_enospc_and_leaves_nothing(tiny_assets, tmp_path,
                                                                   monkeypatch, capsys):
     import dspine_train.training.offline_features as offline
-    from data_prep.cache_features import main
+    from dspine_train.training.cache_features import main
 
     def full_disk(tensors, filename, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
@@ -318,7 +318,7 @@ def _tree(path: Path) -> dict[str, int]:
 @pytest.mark.parametrize("where", ["dataset", "inside_dataset", "target", "containing_inputs"])
 def test_cache_features_refuses_an_output_overlapping_an_input(where, tiny_assets, tmp_path,
                                                                monkeypatch, capsys):
-    from data_prep.cache_features import main
+    from dspine_train.training.cache_features import main
 
     assets = _copy_assets(tiny_assets, tmp_path)
     features = {"dataset": assets["data"], "inside_dataset": assets["data"] / "features",
@@ -333,7 +333,7 @@ def test_cache_features_refuses_an_output_overlapping_an_input(where, tiny_asset
 
 def test_cache_features_refuses_a_directory_it_did_not_write(tiny_assets, tmp_path,
                                                              monkeypatch, capsys):
-    from data_prep.cache_features import main
+    from dspine_train.training.cache_features import main
 
     features = tmp_path / "shards"
     features.mkdir()
@@ -352,7 +352,7 @@ def cached(tiny_assets, tmp_path_factory) -> Path:
     """A feature cache of the tiny assets, made by the CLI."""
     from hydra import compose, initialize_config_dir
 
-    from data_prep.cache_features import cache_features
+    from dspine_train.training.cache_features import cache_features
 
     root = tmp_path_factory.mktemp("cached")
     with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
@@ -376,7 +376,7 @@ def _reader(assets: dict[str, Path], target: Path, data: Path, cache: Path):
 
 def test_feature_cache_rerun_replaces_its_own_output(cached, tiny_assets, tmp_path,
                                                      monkeypatch, capsys):
-    from data_prep.cache_features import main
+    from dspine_train.training.cache_features import main
 
     features = tmp_path / "features"
     shutil.copytree(cached, features)

@@ -1,4 +1,4 @@
-"""The recipe-driven commands (`train.py`, `data_prep.cache_features`, `data_prep.tokenize`,
+"""The recipe-driven commands (`train.py`, `training.cache_features`, `data_prep.tokenize`,
 `data_prep.regenerate`'s local backend): `--help` without a recipe lists the recipes and exits 0;
 a base model's tokenizer (no chat template) and a target config without its depth are one line
 naming the setting or file, not transformers' own message or a traceback.
@@ -27,7 +27,7 @@ RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 
 @pytest.mark.parametrize("run", [
     lambda: runpy.run_path(str(REPO / "train.py"), run_name="__main__"),
-    lambda: runpy.run_module("data_prep.cache_features", run_name="__main__"),
+    lambda: runpy.run_module("dspine_train.training.cache_features", run_name="__main__"),
 ], ids=["train", "cache_features"])
 def test_help_without_a_recipe_lists_the_recipes(run, monkeypatch, capsys):
     """Run as a command (`__main__`) in this process, where its imports are already loaded."""

@@ -218,7 +218,7 @@ def test_training_from_cached_features_runs_on_the_device(kind, tiny_assets, tmp
     overrides = tiny_overrides(tiny_assets, tmp_path / "run", "optim.max_steps=2",
                                "logging.log_every=1", "eval.every=2", *EVERY_TERM[:3],
                                f"data.offline_features_dir={features}")
-    check_ok(run_module(["-m", "data_prep.cache_features", *overrides]))
+    check_ok(run_module(["-m", "dspine_train.training.cache_features", *overrides]))
     proc = _device_train(kind, tmp_path / "report.json", overrides)
     check_ok(proc)
     assert "cached once per token" in proc.stdout

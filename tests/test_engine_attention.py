@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from _engine_helpers import build_tiny_target, tiny_draft
 
 from dspine_train.engine import Engine, load_target
-from dspine_train.engine.attention import (
+from dspine_train.modeling.sdpa_attention import (
     causal_attention,
     fused_sdpa_only,
     masked_attention,

@@ -7,7 +7,7 @@ import torch
 from _engine_helpers import build_tiny_target, hf_greedy, tiny_draft
 
 from dspine_train.engine import Engine
-from dspine_train.engine.attention import fused_sdpa_only
+from dspine_train.modeling.sdpa_attention import fused_sdpa_only
 from scripts.tools.bench.agreement import teacher_forced_agreement
 from scripts.tools.bench.engine_profiling import sdpa_backends, time_engine_steps
 

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_prep.benchmarks import builtin_source, load_benchmark, load_benchmark_prompts
 from data_prep.sources import is_heldout
+from dspine_train.benchmark_prompts import BenchmarkError
 from dspine_train.eval_harness import (
-    BenchmarkError,
     BenchResult,
     build_engine,
     encode_messages,

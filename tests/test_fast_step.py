@@ -161,7 +161,7 @@ def test_bench_recipe_mode_times_the_paths_side_by_side(tiny_assets, tmp_path: P
 
     features = tmp_path / "features"
     args = tiny_overrides(tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}")
-    check_ok(run_module(["-m", "data_prep.cache_features", *args]))
+    check_ok(run_module(["-m", "dspine_train.training.cache_features", *args]))
     out = tmp_path / "bench.json"
     proc = run_module(["scripts/bench_train.py", "--recipe", "tiny", *[
         f"--set={a}" for a in args[1:]], "--iters", "2", "--batches", "2", "--draft-vocab",

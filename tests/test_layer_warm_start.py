@@ -105,7 +105,7 @@ def test_train_py_with_offline_features_starts_from_the_target_layers(tiny_asset
     draft's layers are the target's layers 3 and 0, read from its safetensors."""
     features = tmp_path / "features"
     common = tiny_overrides(tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}")
-    check_ok(run_module(["-m", "data_prep.cache_features", *common]))
+    check_ok(run_module(["-m", "dspine_train.training.cache_features", *common]))
     proc = run_train([*common, "model.warm_start_layers=[3,0]", "optim.max_steps=1",
                       "optim.lr=0", "eval.every=0"])
     check_ok(proc)

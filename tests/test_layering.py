@@ -69,18 +69,9 @@ RULES = {
     "data_prep imports no evaluation harness": Rule(("data_prep",),
                                                     ("dspine_train.eval_harness",)),
 }
-# Being fixed in parallel (issue 28, item 2); strict, so the mark goes once the rule holds.
-NOT_YET = {
-    "modeling imports no engine": "modeling/layers.py imports engine.attention",
-    "data_prep imports no training module": "data_prep/cache_features.py imports the trainer's "
-                                            "config, inputs, target and feature-cache modules",
-    "data_prep imports no evaluation harness": "data_prep/benchmarks.py imports eval_harness",
-}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[name]))
-    if name in NOT_YET else name for name in RULES])
+@pytest.mark.parametrize("name", list(RULES))
 def test_dependencies_point_one_way(name: str) -> None:
     assert RULES[name].violations(REPO) == [], name
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -15,6 +18,7 @@ from tests._model_helpers import (
     tiny_draft,
     tiny_target,
 )
+from tests._train_helpers import REPO, train_env
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +32,20 @@ def batch(target):
     ids = torch.randint(0, USED_VOCAB, (2, 40), generator=g)
     anchors = torch.tensor([[3, 10, 20, 30], [0, 7, 25, 38]])
     return ids, anchors
+
+
+def test_a_saved_draft_loads_through_automodel_after_importing_only_its_config(target, tmp_path):
+    """The package's names load lazily (the engine imports its light modules alone); any of them
+    still registers the `dspine` type, so `AutoModel` reads a saved draft in a fresh process."""
+    tiny_draft(target).save_pretrained(tmp_path)
+    code = ("import sys\n"
+            "from dspine_train.modeling import DSpineConfig\n"
+            "from transformers import AutoModel\n"
+            f"print(type(AutoModel.from_pretrained({str(tmp_path)!r})).__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "DSpineDraftModel"
 
 
 def test_save_pretrained_roundtrip_is_bit_identical_without_target_weights(target, tmp_path):

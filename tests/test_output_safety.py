@@ -369,7 +369,7 @@ def test_cache_features_on_a_full_disk_keeps_the_old_cache_and_says_so(tiny_asse
     not) when the disk filled on the second split."""
     from hydra import compose, initialize_config_dir
 
-    from data_prep.cache_features import cache_features
+    from dspine_train.training.cache_features import cache_features
     from tests._train_helpers import single_thread
 
     features = tmp_path / "features"
@@ -380,7 +380,7 @@ def test_cache_features_on_a_full_disk_keeps_the_old_cache_and_says_so(tiny_asse
         cache_features(cfg)
     before = tree(features)
     largest = max(p.stat().st_size for p in features.rglob("*.safetensors"))
-    done = run_python(["-m", "data_prep.cache_features", *args, "seed=1"],
+    done = run_python(["-m", "dspine_train.training.cache_features", *args, "seed=1"],
                       file_size_limit=largest // 2)
     one_error_line(done, f"data.offline_features_dir {features}", "EFBIG",
                    f"the old output in {features} is intact")
@@ -391,7 +391,7 @@ def test_cache_features_on_a_full_disk_keeps_the_old_cache_and_says_so(tiny_asse
 def test_a_second_feature_cache_run_into_the_same_directory_is_refused(tiny_assets, tmp_path):
     features = tmp_path / "features"
     with held_elsewhere(features) as pid:
-        done = run_python(["-m", "data_prep.cache_features",
+        done = run_python(["-m", "dspine_train.training.cache_features",
                            *cache_args(tiny_assets, tmp_path, features)])
     one_error_line(done, "data.offline_features_dir", f"in use by another run: pid {pid}")
     assert not features.exists()

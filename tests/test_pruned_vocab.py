@@ -255,7 +255,7 @@ def test_the_trainer_prunes_trains_on_cached_topk_and_exports_the_map(tiny_asset
     args = tiny_overrides(tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}",
                           "model.draft_vocab_size=300", "optim.max_steps=3", "eval.every=0",
                           "checkpoint.every=0", "data.target_topk=32")
-    check_ok(run_module(["-m", "data_prep.cache_features", *args]))
+    check_ok(run_module(["-m", "dspine_train.training.cache_features", *args]))
     assert json.loads((features / "train" / "index.json").read_text())["target_topk"] == 32
     proc = run_train(args)
     check_ok(proc)

@@ -432,7 +432,7 @@ def test_step_times_side_by_side_on_the_same_batches(tiny_assets: dict, tmp_path
     from tests._train_helpers import check_ok, run_module, tiny_overrides
 
     features = tmp_path / "features"
-    check_ok(run_module(["-m", "data_prep.cache_features", *tiny_overrides(
+    check_ok(run_module(["-m", "dspine_train.training.cache_features", *tiny_overrides(
         tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}")]))
     settings = tiny_settings(tmp_path, tiny_assets, features_override=features)
     variants = [StudyVariant("dspine", ""), StudyVariant("dflash", "", ("model.method=dflash",)),

@@ -38,13 +38,14 @@ from dspine_train.engine.acceptance import (
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.errors import CheckpointError, GenerationInputError
 from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
-from dspine_train.engine.sampling import exponential_noise, next_tokens, target_probs
+from dspine_train.engine.sampling import next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
 from dspine_train.engine.target_files import eos_token_ids, load_tokenizer
 from dspine_train.engine.target_model import TargetModel
 from dspine_train.engine.tree_verify import TreeVerifier
 from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
 from dspine_train.engine.weights import load_target
+from dspine_train.modeling.exponential_race import exponential_noise
 
 
 @dataclass

@@ -2,13 +2,15 @@
 
 The same `target_probs` is used by plain decoding and by speculative verification, so the
 distribution the speculative path is lossless against is exactly the one `generate_ar` samples.
-Draws use the exponential-race trick (`argmax(p / E)`, E ~ Exp(1)), which needs no `.item()`
-and takes an explicit `torch.Generator` for reproducibility.
+Draws use the exponential race (`modeling.exponential_race`: `argmax(p / E)`, E ~ Exp(1)),
+which needs no `.item()` and takes an explicit `torch.Generator` for reproducibility.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dspine_train.modeling.exponential_race import exponential_noise, race
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -49,23 +51,6 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token id per row of `probs (..., V)` -> `(...)` long."""
     return race(probs, exponential_noise(probs.shape, generator, probs.device))
-
-
-def exponential_noise(
-    shape: tuple[int, ...] | torch.Size,
-    generator: torch.Generator | None = None,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Float32 Exp(1) draws: the randomness of `race`, drawn ahead so that a step that samples
-    takes it as an input (a pure function of tensors, which can be compiled and captured)."""
-    return torch.empty(shape, device=device).exponential_(1.0, generator=generator)
-
-
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The exponential race: `argmax(p / E)` over the last axis is a draw from `p (..., V)` when
-    `noise` E holds independent Exp(1) draws of the same shape (E_i / p_i ~ Exp(p_i): the
-    smallest is i with probability p_i)."""
-    return (probs / noise).argmax(-1)
 
 
 def next_tokens(

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from dspine_train.engine.attention import causal_attention, masked_attention
 from dspine_train.engine.errors import CheckpointError
 from dspine_train.engine.kv_cache import StaticKVCache
 from dspine_train.engine.rope import RopeTable, apply_rope, rope_layer_types
+from dspine_train.modeling.sdpa_attention import causal_attention, masked_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "gemma3_text")
 # Families whose layers may be sliding-window layers (`layer_types`).
@@ -163,7 +163,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the static cache (`engine.attention`: causal prefill, masked
+    """GQA self-attention over the static cache (`modeling.sdpa_attention`: causal prefill, masked
     verify, both on fused SDPA kernels)."""
 
     def __init__(self, config: TargetConfig) -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspine_train.modeling.transition_cache import top_candidates, transition_table, walk_table
+
 
 @dataclass
 class TokenTree:
@@ -52,10 +54,6 @@ def lattice(
     decoding, DFlash) every row of slot t is the slot's own logits of its top-K. `cand` holds
     target ids: a pruned draft's ids are mapped as its `walk` maps them.
     """
-    # Imported here: the modeling package pulls in transformers' model machinery, which plain
-    # decoding does not need (the engine package imports this module).
-    from dspine_train.modeling.transition_cache import top_candidates, transition_table
-
     config = draft.config
     k = min(int(config.candidate_k), slot_logits.shape[-1])
     rows = top_candidates(slot_logits, k)  # (B, T, K) rows of slot_logits: draft ids
@@ -71,8 +69,6 @@ def lattice(
 def greedy_indices(table: torch.Tensor) -> torch.Tensor:
     """Candidate indices `(B, T)` of the greedy chain: the chain's own `walk_table` at T=0, run
     over the candidates' positions 0..K-1 instead of their token ids."""
-    from dspine_train.modeling.transition_cache import walk_table
-
     k = table.shape[-1]
     positions = torch.arange(k, device=table.device).expand(*table.shape[:-2], k)
     return walk_table(table, positions).tokens

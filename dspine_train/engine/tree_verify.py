@@ -35,9 +35,10 @@ import torch
 from dspine_train.engine.acceptance import Acceptance
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.kv_cache import StaticKVCache
-from dspine_train.engine.sampling import exponential_noise, race, tempered_probs
+from dspine_train.engine.sampling import tempered_probs
 from dspine_train.engine.stats import StepTimer
 from dspine_train.engine.token_tree import TokenTree, propose_tree
+from dspine_train.modeling.exponential_race import exponential_noise, race
 
 
 def greedy_tree_accept(

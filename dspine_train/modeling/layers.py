@@ -13,10 +13,9 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from dspine_train.engine.attention import masked_attention
-
 from .compiled_flex import BlockMask, compiled_flex_attention
 from .configuration_dspine import DSpineConfig
+from .sdpa_attention import masked_attention
 
 AttentionMask = torch.Tensor  # dense boolean mask (True = may attend), or a flex BlockMask
 
@@ -162,7 +161,7 @@ class DSpineAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Inference twin of `attend` (dense mask only): the GQA groups folded into the query
-        axis so SDPA's memory-efficient kernel takes the mask (`engine.attention`)."""
+        axis so SDPA's memory-efficient kernel takes the mask (`sdpa_attention`)."""
         b, _, nq, _ = q.shape
         out = masked_attention(q, k, v, mask, scale=self.scaling, label="draft")
         out = out.transpose(1, 2).reshape(b, nq, self.num_heads * self.head_dim)  # (B, Q, heads*D)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModel, PreTrainedModel
 from transformers import initialization as init
 
 from ..checkpoint_io import SafetensorsWeights
@@ -526,3 +526,9 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
         result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator, noise)
         return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
+
+
+# Any import of the model registers its type, so `AutoConfig` / `AutoModel.from_pretrained` read
+# a saved draft once the model is loaded (the package's names load it: see `__init__`).
+AutoConfig.register("dspine", DSpineConfig, exist_ok=True)
+AutoModel.register(DSpineConfig, DSpineDraftModel, exist_ok=True)

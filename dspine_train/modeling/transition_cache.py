@@ -8,9 +8,9 @@ anchor) makes its rows coincide - and the decode only walks the table:
     x_t = argmax_{c'} S_t[x_{t-1}, c']       (greedy)
     x_t ~ softmax(S_t[x_{t-1}, :] / T)       (sampling; that row is the draft's q for slot t)
 
-Sampling uses the engine's exponential race (`engine.sampling.race`) over Exp(1) draws that
-can be drawn ahead and passed in (`noise`), so a sampling walk is a pure function of tensors;
-q stays sparse, one row of K probabilities over the slot's candidates.
+Sampling uses the exponential race (`exponential_race.race`, the engine's draw too) over Exp(1)
+draws that can be drawn ahead and passed in (`noise`), so a sampling walk is a pure function of
+tensors; q stays sparse, one row of K probabilities over the slot's candidates.
 
 `naive_serial_walk` recomputes each slot's scores after committing its predecessor; the walk
 must choose exactly the same tokens (a test checks it).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspine_train.engine.sampling import exponential_noise, race
+from .exponential_race import exponential_noise, race
 
 # score(pre (..., T, H), recv (..., T, r), pred_ids (..., T, P), cand_ids (..., T, K)) -> (..., T, P, K)
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -199,7 +199,7 @@ class DataConfig:
         batch_size: sequences per micro-batch per process.
         group_by_length: batch sequences of similar length together (less padding).
         length_group_size: batches per shuffled length-sorted group.
-        offline_features_dir: train from features cached by `data_prep/cache_features.py`
+        offline_features_dir: train from features cached by `training/cache_features.py`
             instead of running the target online.
         target_topk: the feature cache pass also stores the top-k of the target's next-token
             distribution (k ids and probabilities per token, 8k bytes), and training with that

@@ -150,7 +150,7 @@ def write_feature_cache(
     whole; an existing `out_dir` is replaced only when it is a feature cache (or empty).
     """
     check_replaceable(out_dir, "data.offline_features_dir", INDEX_FILE,
-                      "data_prep.cache_features", {})
+                      "dspine_train.training.cache_features", {})
     clean_dead_builds(out_dir)
     tmp = build_dir(out_dir)
     try:
@@ -215,7 +215,7 @@ class OfflineFeatures:
         if not index_path.is_file():
             raise TrainingError(
                 f"data.offline_features_dir: no feature cache at {cache_dir} (run "
-                "`python -m data_prep.cache_features` with the same recipe first)"
+                "`python -m dspine_train.training.cache_features` with the same recipe first)"
             )
         self.index = json.loads(index_path.read_text())
         _check_fingerprints(cache_dir, self.index, expected)
@@ -239,8 +239,9 @@ class OfflineFeatures:
             try:
                 handle = open_safetensors(self.dir / shard["file"])
             except WeightsError as err:
-                raise TrainingError(f"data.offline_features_dir: {err}; recreate the cache "
-                                    "with `python -m data_prep.cache_features`") from None
+                raise TrainingError(
+                    f"data.offline_features_dir: {err}; recreate the cache with "
+                    "`python -m dspine_train.training.cache_features`") from None
             self._handles[shard["file"]] = handle
         return handle, row - shard["first_row"]
 
@@ -274,7 +275,8 @@ class OfflineFeatures:
 def _check_fingerprints(cache_dir: Path, index: dict, expected: CacheIdentity) -> None:
     """Refuse a cache made from another target or other token data, naming both sides."""
     where = f"data.offline_features_dir: {cache_dir}"
-    recreate = "recreate the cache (python -m data_prep.cache_features with this recipe)"
+    recreate = ("recreate the cache (python -m dspine_train.training.cache_features with this "
+                "recipe)")
     if expected.target_fingerprint and "target_fingerprint" not in index:
         raise TrainingError(f"{where} records no fingerprints (made by an older version); "
                             f"{recreate}")

@@ -1,4 +1,4 @@
-"""`--help` for the commands that compose a training recipe (`train.py`, `data_prep.cache_features`).
+"""`--help` for the commands that compose a training recipe (`train.py`, `cache_features`).
 
 Hydra composes the config before it prints its help, and the primary config leaves `recipe`
 unset (`???`), so a bare `--help` fails with a traceback. Without a `recipe=` argument the

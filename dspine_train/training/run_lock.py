@@ -8,7 +8,7 @@ looks at (and later prunes) checkpoints, before the token table is built, before
 the whole world); its verdict is broadcast, so every process raises the same `TrainingError`
 naming the holder and none waits in a collective the main process never reaches.
 
-Under `train.py` (and `data_prep.cache_features`, the same recipes) Hydra writes into
+Under `train.py` (and `dspine_train.training.cache_features`, the same recipes) Hydra writes into
 `output_dir` (its `hydra/` record of the run's config and the log, `hydra.run.dir`) before
 `main` runs: `HydraOutputLock`, a Hydra callback the recipes install, takes the same lock in
 `on_run_start`, before Hydra creates or writes anything there. It runs in the launcher's rank 0

@@ -145,7 +145,8 @@ def ensure_features(settings: AblationSettings) -> None:
         print(f"[ablate] feature cache: reusing {settings.features_dir}")
         return
     print(f"[ablate] feature cache: running the target once -> {settings.features_dir}")
-    run_logged([sys.executable, "-m", "data_prep.cache_features", *settings.shared_overrides(),
+    run_logged([sys.executable, "-m", "dspine_train.training.cache_features",
+                *settings.shared_overrides(),
                 f"hydra.run.dir={settings.out_dir / '.hydra_cache_features'}"],
                settings.out_dir / "cache_features.log", "caching the target features",
                error=AblationError)

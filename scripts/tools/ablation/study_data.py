@@ -384,8 +384,9 @@ def prepare(settings: StudyDataSettings, *, stages: tuple[str, ...] = ("prompts"
 
 
 def cache_features(settings: StudyDataSettings, overrides: list[str], features_dir: Path) -> None:
-    """The target's features of the study data, once (`python -m data_prep.cache_features`
-    with the study's shared `train.py` overrides); skipped when the cache is complete."""
+    """The target's features of the study data, once (`python -m
+    dspine_train.training.cache_features` with the study's shared `train.py` overrides); skipped
+    when the cache is complete."""
     from scripts.tools.child_runs import run_logged
 
     from .runner import AblationError
@@ -396,7 +397,7 @@ def cache_features(settings: StudyDataSettings, overrides: list[str], features_d
         return
 
     def work() -> dict[str, Any]:
-        run_logged([sys.executable, "-m", "data_prep.cache_features", *overrides,
+        run_logged([sys.executable, "-m", "dspine_train.training.cache_features", *overrides,
                     f"data.offline_features_dir={features_dir}",
                     f"hydra.run.dir={features_dir.parent / '.hydra_cache_features'}"],
                    features_dir.parent / "cache_features.log", "caching the target features",

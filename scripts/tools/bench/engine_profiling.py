@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from dspine_train.engine.attention import fused_sdpa_only, record_sdpa_backends
 from dspine_train.engine.errors import GenerationInputError
+from dspine_train.modeling.sdpa_attention import fused_sdpa_only, record_sdpa_backends
 
 
 def time_engine_steps(

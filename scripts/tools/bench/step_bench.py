@@ -65,7 +65,8 @@ def first_batches(config: TrainConfig, train, draft, count: int, head: torch.Ten
     d = config.data
     if not d.offline_features_dir:
         raise SystemExit("--recipe: the recipe needs data.offline_features_dir (the bench reads "
-                         "the cached target features; run data_prep.cache_features first)")
+                         "the cached target features; run "
+                         "dspine_train.training.cache_features first)")
     batches = TokenBatches(train, d.max_length, draft.config.vocab_size, "data.train_path")
     layers = list(draft.config.target_layer_ids)
     cache = OfflineFeatures(Path(d.offline_features_dir) / d.train_split,

@@ -111,7 +111,7 @@ def section_environment(ck: Check, fig: Figures) -> None:
 def _sdpa_recorder() -> Callable | None:
     """The engine's per-call SDPA choice recorder (`record_sdpa_backends`), where it exists."""
     try:
-        from dspine_train.engine import attention
+        from dspine_train.modeling import sdpa_attention as attention
     except ImportError:
         return None
     return getattr(attention, "record_sdpa_backends", None)

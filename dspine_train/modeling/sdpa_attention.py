@@ -1,7 +1,8 @@
-"""Attention calls of the engine, shaped so SDPA takes a fused kernel, never the math fallback.
+"""Attention calls shaped so SDPA takes a fused kernel, never the math fallback.
 
-Three calls run at inference (the target's prefill and verify, the draft's block over its
-context cache):
+The draft's layers and the engine's target share them (the engine imports this module, the
+model imports nothing from the engine). Three calls run at inference (the target's prefill
+and verify, the draft's block over its context cache):
 
 * prefill (every cache length 0, prompts right-padded): plain causal attention over the new
   tokens, `is_causal=True` with no mask; K/V are repeated to the query heads (they are only the
@@ -90,8 +91,8 @@ def _record(
 
 @contextmanager
 def record_sdpa_backends() -> Iterator[list[tuple[str, str]]]:
-    """Collect `(label, backend)` for every engine attention call in the body (eager calls only:
-    a compiled or graphed step does not run this Python)."""
+    """Collect `(label, backend)` for every attention call of this module in the body (eager
+    calls only: a compiled or graphed step does not run this Python)."""
     global _recorded
     previous, _recorded = _recorded, []
     try:

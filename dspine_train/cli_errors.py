@@ -1,4 +1,4 @@
-"""The one-line console message of an error that stops a ``data_prep`` CLI (or the export)."""
+"""One-line console messages of the errors that stop a CLI (data_prep, feature cache, export)."""
 
 from __future__ import annotations
 

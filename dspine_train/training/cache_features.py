@@ -3,21 +3,23 @@
 Runs the target once over the recipe's train (and eval) split and writes the context features
 (hidden states at the draft's target layers), the final hidden state of every token and the
 top-`data.target_topk` of the target's next-token distribution, sharded, under
-`data.offline_features_dir`. The size estimate is printed before anything is written.
-Same recipe and overrides as training:
+`data.offline_features_dir`, in the format `offline_features` (beside it) defines and reads.
+The size estimate is printed before anything is written. Same recipe and overrides as training:
 
-    python -m data_prep.cache_features recipe=tiny data.offline_features_dir=artifacts/tiny_features
+    python -m dspine_train.training.cache_features recipe=tiny \\
+        data.offline_features_dir=artifacts/tiny_features
     python train.py recipe=tiny data.offline_features_dir=artifacts/tiny_features
 
 Single process; the cache is ~(n + 1) x H x 2 bytes per token in bf16 (~40 KB for Qwen3-8B).
 
 `data.offline_features_dir` must not overlap an input (the datasets, the target, the token
 table: equal, inside or containing) and, when it exists, must be a directory this tool wrote
-(marker `.data_prep.cache_features`) or empty; anything else is refused by name. It is locked
+(marker `.data_prep.cache_features`, the name it has always had) or empty; anything else is
+refused by name. It is locked
 for the run (a second run into it is refused, naming the first), built beside itself and
 swapped in whole, so a failure (a full disk: one line) leaves the old cache intact. The cache
-records the fingerprints of the target and of the token data (see
-`dspine_train.training.offline_features`), which training checks.
+records the fingerprints of the target and of the token data (see `offline_features`), which
+training checks.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from data_prep.cli_errors import existing_output, os_error_line, write_os_error
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from dspine_train.cli_errors import existing_output, os_error_line, write_os_error
 from dspine_train.output_lock import OutputLockedError, lock_output
 from dspine_train.owned_dir import (
     OwnedDirError,
@@ -54,13 +56,15 @@ from dspine_train.training.offline_features import (
     estimate_cache_bytes,
     write_feature_cache,
 )
-from dspine_train.training.recipe_help import exit_on_help
+from dspine_train.training.recipe_help import RECIPES_DIR, exit_on_help
 from dspine_train.training.target import TargetFeatureExtractor, load_target, target_head_weights
 
 register_configs()
-RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
+RECIPES = str(RECIPES_DIR)
+# Caches written before the tool moved into the training package carry this marker: keeping the
+# name lets a new run replace them.
 MARKER = ".data_prep.cache_features"
-TOOL = "data_prep.cache_features"
+TOOL = "dspine_train.training.cache_features"
 
 
 def _inputs(config: TrainConfig) -> dict[str, list[str]]:
