@@ -209,8 +209,6 @@ def _dispatch(func, args, kwargs, mode: FakeDevice | None):
         kind = "to_host"
     if kind is not None and mode is not None:
         mode.record(kind, func)
-    if func is aten.index.Tensor:  # CUDA indexes with CPU or device indices alike
-        pass
     out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
     if kind == "to_host" or func in _TO_HOST_SCALAR or (
             "device" in kwargs and kwargs["device"] is not None and not to_device):

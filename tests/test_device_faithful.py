@@ -10,9 +10,6 @@ that a round or a micro-batch makes against the documented budget.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -137,18 +134,11 @@ def test_the_cli_and_the_evaluation_harness_run_on_the_device(files, dev, capsys
 
 # ------------------------------------------------------------------------------ the trainer
 def _device_train(dev_kind: str, report: Path, overrides: list[str]):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT"):
-        env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, str(REPO / "tests" / "device_train.py"), "--device", dev_kind,
-         "--report", str(report), "--", *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return run_module([str(REPO / "tests" / "device_train.py"), "--device", dev_kind,
+                       "--report", str(report), "--", *overrides], timeout=600)
 
 
-def _check_micro_batch_syncs(report: dict, grad_accum: int = 1) -> None:
+def _check_micro_batch_syncs(report: dict) -> None:
     """Every micro-batch reads the host `MICRO_BATCH_SYNCS` times itself; the libraries below
     it only in the documented places (docs/GPU.md): transformers' padding-mask check of the
     online target, DeepSpeed's gradient-norm checks at the accumulation boundary."""
