@@ -16,6 +16,18 @@ lattice paths in at most `--tree-nodes` nodes, default M x g) per batch size and
 run interleaved (`--tree-rounds` passes over all of them, so drift on a shared machine hits
 every budget alike), and a second table gives tau per verification, verify and draft ms per
 step, tokens/s and the ratios to the chain, and whether the outputs equal plain decoding.
+
+With `--compare` it instead runs every decoding mode side by side, one prompt at a time, on the
+same prompts (the held-out HumanEval and ShareGPT prompts by default, `--bench` / `--prompts`):
+transformers' own plain and prompt-lookup decoding (`--prompt-lookup-tokens`, default 7), and
+the engine's plain, DSpine chain, DSpine tree, n-gram and hybrid modes, interleaved over
+`--rounds` passes, greedy, then a sampling pass (`--compare-temperature`, tau only). It prints a
+markdown table (tau, tokens/s, speed-up over plain decoding, lossless) and writes the rows as
+JSON; `scripts/tools/bench/side_by_side.py` says how each figure is measured.
+
+    python scripts/bench_engine.py --compare --target TARGET_DIR --draft DRAFT_DIR \
+        --bench humaneval,sharegpt --bench-prompts 12 --max-new-tokens 64 --dtype float32 \
+        --output bench_results/compare.json
 """
 
 from __future__ import annotations
@@ -23,13 +35,34 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from dspine_train.engine.cli import add_engine_arguments, build_engine, run_batches
-from dspine_train.engine.prompts import read_prompts
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
+
+from dspine_train.benchmark_prompts import BenchmarkError  # noqa: E402
+from dspine_train.engine.cli import (  # noqa: E402
+    add_engine_arguments,
+    build_engine,
+    engine_argument_problem,
+    run_batches,
+)
+from dspine_train.engine.errors import (  # noqa: E402
+    CheckpointError,
+    GenerationInputError,
+    IncompatibleDraftError,
+)
+from dspine_train.engine.prompts import read_prompts  # noqa: E402
+from scripts.tools.bench.side_by_side import (  # noqa: E402
+    add_compare_arguments,
+    compare_argument_problem,
+    first_difference,
+    run_compare,
+)
 
 
 def time_call(fn, device: torch.device, repeats: int) -> float:
@@ -98,17 +131,6 @@ def parse_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return values
-
-
-def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
-    """`[prompt index, token index]` of the first token where `got` leaves `want`, or None."""
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        for j, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                return [i, j]
-        if len(a) != len(b):
-            return [i, min(len(a), len(b))]
-    return None
 
 
 def tree_comparison(
@@ -181,7 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, prompts_required=False)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument(
         "--num-draft-tokens",
@@ -210,7 +232,20 @@ def main() -> None:
         "--skip-step-costs", action="store_true", help="do not time the draft step's parts"
     )
     parser.add_argument("--output", default="bench_results/engine.json")
+    add_compare_arguments(parser)
     args = parser.parse_args()
+    if args.compare:
+        problem = engine_argument_problem(args) or compare_argument_problem(args)
+        if problem:
+            parser.error(problem)
+        try:
+            sys.exit(run_compare(args))
+        except (CheckpointError, IncompatibleDraftError, GenerationInputError,
+                BenchmarkError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+    if args.prompts is None:
+        parser.error("--prompts is required (or --compare, which can take --bench)")
     if args.draft is None:
         parser.error("--draft is required for the benchmark")
 

@@ -36,11 +36,13 @@ from dspine_train.writable import output_file_problem
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments shared by the CLI and `scripts/bench_engine.py`."""
+def add_engine_arguments(parser: argparse.ArgumentParser, prompts_required: bool = True) -> None:
+    """Arguments shared by the CLI and `scripts/bench_engine.py` (whose `--compare` can take
+    benchmarks instead of a prompts file)."""
     parser.add_argument("--target", required=True, help="target model directory (HF layout)")
     parser.add_argument("--draft", default=None, help="exported DSpine draft directory")
-    parser.add_argument("--prompts", required=True, help="prompts file (.jsonl or one per line)")
+    parser.add_argument("--prompts", required=prompts_required,
+                        help="prompts file (.jsonl or one per line)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: target)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

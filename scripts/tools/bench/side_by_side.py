@@ -1,0 +1,431 @@
+"""`bench_engine.py --compare`: every decoding mode side by side on the same prompts.
+
+The modes are rows of `(name, family, runner)` (`build_modes`; adding a mode is one line):
+transformers' own plain decoding and prompt-lookup decoding (`hf_reference`, the reference run
+by transformers itself), and the engine's plain decoding, DSpine chain, DSpine tree, n-gram
+only and hybrid (DSpine + n-gram) modes. A mode whose parts are missing (no `--draft`, an
+engine without n-gram candidates) is left out and the report says why.
+
+Every prompt is decoded alone (transformers' assisted generation takes a batch of one), from
+the same token ids in every mode, greedy. The modes alternate prompt by prompt and repeat over
+`--rounds` passes, so load on a shared machine hits them alike; times and counts add up over
+the passes. Per benchmark and mode the report gives:
+
+- tau: new tokens that target forwards after the prefill produced, per such forward
+  (`GenerationStats.tau` for the engine; for transformers see `hf_reference`), 1 for plain;
+- tokens/s: new tokens per second of decoding wall time (prefill included; the engine's
+  compile / CUDA-graph capture excluded), and its ratio to plain decoding of the same family
+  (engine modes over the engine's plain decoding, transformers' over transformers') and to
+  transformers' plain decoding (the one reference common to every row);
+- lossless: whether every prompt's output equals plain decoding of the same family, token for
+  token (plus, in the JSON, whether it equals transformers' plain decoding).
+
+A sampling pass follows (`--compare-temperature`, one round, plain modes left out): tau only.
+Sampled outputs depend on each mode's random draws, so they are neither compared token by
+token nor timed against a plain run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspine_train.checkpoint_io import write_text_atomic
+from scripts.tools.bench.hf_reference import Decoded, HFReference
+
+# (ids, temperature, seed) -> what one prompt's decoding produced and cost
+Runner = Callable[[list[int], float, int], Decoded]
+# every mode's name, in table order (`build_modes` lists the same ones, with their runners)
+MODE_NAMES = ("HF plain", "HF prompt lookup", "engine plain", "DSpine chain", "DSpine tree",
+              "n-gram", "hybrid")
+
+
+@dataclass
+class Mode:
+    """One row of the comparison: `family` "hf" or "engine" picks its plain baseline."""
+
+    name: str
+    family: str
+    run: Runner
+    plain: bool = False  # the family's plain decoding (no sampling pass: tau is 1 by definition)
+
+
+@dataclass
+class CompareRow:
+    """One mode on one benchmark at one temperature, summed over the rounds (module doc)."""
+
+    bench: str
+    mode: str
+    family: str
+    temperature: float
+    num_prompts: int
+    rounds: int
+    new_tokens: int
+    verifications: int  # target forwards after the prefill
+    verified_tokens: int  # new tokens those forwards produced
+    tau: float
+    seconds: float
+    tokens_per_s: float
+    speedup: float | None = None  # over plain decoding of the same family (greedy only)
+    speedup_vs_hf_plain: float | None = None  # over transformers' plain decoding (greedy only)
+    lossless: bool | None = None  # equals the family's plain decoding (greedy only)
+    same_as_hf_plain: bool | None = None
+    first_difference: list[int] | None = None  # [prompt, token] where it leaves plain decoding
+
+
+@dataclass
+class Totals:
+    """Running sums of one (benchmark, mode, temperature)."""
+
+    new_tokens: int = 0
+    verifications: int = 0
+    verified_tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)  # the first round's, per prompt
+
+    def add(self, decoded: Decoded, first_round: bool) -> None:
+        self.new_tokens += len(decoded.tokens)
+        self.verifications += decoded.verifications
+        self.verified_tokens += decoded.verified_tokens
+        self.seconds += decoded.seconds
+        if first_round:
+            self.outputs.append(decoded.tokens)
+
+
+def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
+    """`[prompt index, token index]` of the first token where `got` leaves `want`, or None."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return [i, j]
+        if len(a) != len(b):
+            return [i, min(len(a), len(b))]
+    return None
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--compare` options of `bench_engine.py`."""
+    group = parser.add_argument_group("side by side (--compare)")
+    group.add_argument(
+        "--compare", action="store_true",
+        help="every mode side by side, one prompt at a time: transformers' plain and "
+        "prompt-lookup decoding, the engine's plain, DSpine chain / tree, n-gram and hybrid "
+        "modes (--batch-sizes and the step timings do not apply)")
+    group.add_argument(
+        "--bench", default=None,
+        help="comma-separated benchmarks: humaneval, sharegpt (the data recipes' held-out "
+        "parts) or JSONL files (default: humaneval,sharegpt, or only --prompts when given)")
+    group.add_argument("--bench-prompts", type=int, default=12, help="prompts per benchmark")
+    group.add_argument("--rounds", type=int, default=2, help="interleaved passes over the modes")
+    group.add_argument("--prompt-lookup-tokens", type=int, default=7,
+                       help="transformers' prompt_lookup_num_tokens")
+    group.add_argument("--prompt-lookup-max-ngram", type=int, default=None,
+                       help="transformers' max_matching_ngram_size (default: its own, 2)")
+    group.add_argument("--compare-tree-paths", type=int, default=4,
+                       help="lattice paths of the DSpine tree and hybrid rows")
+    group.add_argument("--compare-tree-nodes", type=int, default=None,
+                       help="their node budget (default: paths x g)")
+    group.add_argument("--compare-temperature", type=float, default=1.0,
+                       help="temperature of the sampling pass (tau only); 0 skips it")
+    group.add_argument("--compare-modes", default=None,
+                       help="comma-separated mode names to run (default: every one available)")
+    for flag, what in (("--ngram-max-n", "longest"), ("--ngram-min-n", "shortest")):
+        try:  # the engine's own flags where `add_engine_arguments` defines them
+            group.add_argument(flag, type=int, default=None,
+                               help=f"{what} n-gram matched (default: NgramConfig's)")
+        except argparse.ArgumentError:
+            pass
+    try:
+        group.add_argument("--ngram-tokens", type=int, default=None,
+                           help="tokens one n-gram proposal holds (default: NgramConfig's)")
+    except argparse.ArgumentError:
+        pass
+
+
+def compare_argument_problem(args: argparse.Namespace) -> str | None:
+    """The first unusable `--compare` value, as a message naming the flag, or None."""
+    for flag in ("bench_prompts", "rounds", "prompt_lookup_tokens", "compare_tree_paths",
+                 "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
+    for flag in ("prompt_lookup_max_ngram", "compare_tree_nodes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1, got {value}"
+    if not args.compare_temperature >= 0:
+        return f"--compare-temperature must be >= 0, got {args.compare_temperature}"
+    unknown = sorted(set(selected_modes(args)) - set(MODE_NAMES))
+    if unknown:
+        return f"--compare-modes: unknown mode(s) {unknown}; modes are {', '.join(MODE_NAMES)}"
+    return None
+
+
+def selected_modes(args: argparse.Namespace) -> list[str]:
+    """The mode names `--compare-modes` asks for (every mode when not given)."""
+    if not args.compare_modes:
+        return list(MODE_NAMES)
+    return [m.strip() for m in args.compare_modes.split(",") if m.strip()]
+
+
+# ---------------------------------------------------------------------------------- engines
+def ngram_config(args: argparse.Namespace) -> tuple[Any | None, str | None]:
+    """The engine's `NgramConfig` from the flags, or (None, why there is none)."""
+    try:
+        from dspine_train.engine.ngram import NgramConfig
+    except ImportError:
+        return None, "this engine has no n-gram candidates (dspine_train.engine.ngram)"
+    given = {key: getattr(args, f"ngram_{name}", None)
+             for key, name in (("max_n", "max_n"), ("min_n", "min_n"), ("num_tokens", "tokens"))}
+    return NgramConfig(**{k: v for k, v in given.items() if v is not None}), None
+
+
+def load_engine(args: argparse.Namespace, draft: str | None, ngram: Any | None) -> Any:
+    """An engine for one prompt at a time, with `draft` and n-gram candidates `ngram`."""
+    from dspine_train.engine import Engine
+    from dspine_train.engine.cli import DTYPES
+
+    kwargs: dict[str, Any] = {"max_batch_size": 1, "cuda_graphs": not args.no_cuda_graphs}
+    if args.max_seq_len is not None:
+        kwargs["max_seq_len"] = args.max_seq_len
+    if args.chat_template_kwargs is not None:
+        kwargs["chat_template_kwargs"] = json.loads(args.chat_template_kwargs)
+    if ngram is not None:
+        kwargs["ngram"] = ngram
+    return Engine.from_pretrained(args.target, draft, device=args.device,
+                                  dtype=DTYPES[args.dtype] if args.dtype else None,
+                                  tokenizer=args.tokenizer, **kwargs)
+
+
+def engine_runner(engine: Any, max_new_tokens: int, speculative: bool,
+                  tree: tuple[int, int | None] | None = None,
+                  num_draft_tokens: int | None = None) -> Runner:
+    """A runner of `engine.generate` (speculative) or `engine.generate_ar`; `tree` is the
+    (paths, nodes) budget set before each call, so one engine serves the chain and the tree."""
+
+    def run(ids: list[int], temperature: float, seed: int) -> Decoded:
+        if tree is not None:
+            engine.configure_tree(*tree)
+        options: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature,
+                                       chat=False, seed=seed)
+        if speculative:
+            if num_draft_tokens is not None:
+                options["num_draft_tokens"] = num_draft_tokens
+            result = engine.generate([ids], **options)
+        else:
+            result = engine.generate_ar([ids], **options)
+        stats = result.stats
+        return Decoded(list(result.token_ids[0]), stats.verifications, stats.committed,
+                       stats.total_s)
+
+    return run
+
+
+def hf_runner(hf: HFReference, max_new_tokens: int, lookup: int | None,
+              max_ngram: int | None) -> Runner:
+    """A runner of transformers' `generate`: plain, or prompt lookup with `lookup` tokens."""
+
+    def run(ids: list[int], temperature: float, seed: int) -> Decoded:
+        return hf.generate(ids, max_new_tokens, temperature=temperature, seed=seed,
+                           prompt_lookup_tokens=lookup, max_matching_ngram=max_ngram)
+
+    return run
+
+
+@dataclass
+class Setup:
+    """The loaded models, the modes they serve, and the modes left out (with why)."""
+
+    modes: list[Mode]
+    skipped: dict[str, str]
+    tokenizer: Any
+    chat_template_kwargs: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+    ngram: Any | None
+    num_draft_tokens: int | None
+    vocab_size: int
+
+
+def build_modes(args: argparse.Namespace) -> Setup:
+    """Load what the modes need and list them (the one place a mode is added)."""
+    n = args.max_new_tokens
+    skipped: dict[str, str] = {}
+    ngram, why_no_ngram = ngram_config(args)
+    main = load_engine(args, args.draft, None)  # plain decoding, and the DSpine rows
+    g = (args.num_draft_tokens or [main.block_size - 1])[0] if main.draft is not None else None
+    tree = (args.compare_tree_paths, args.compare_tree_nodes)
+    hf = HFReference(args.target, device=main.device, dtype=main.target.dtype,
+                     eos_token_ids=main.eos_token_ids,
+                     pad_token_id=getattr(main.tokenizer, "pad_token_id", None))
+    pure = hybrid = None
+    if ngram is not None:
+        try:  # separate engines: an engine's n-gram setting holds for all its rounds
+            pure = load_engine(args, None, ngram)
+            hybrid = load_engine(args, args.draft, ngram) if args.draft else None
+        except TypeError as err:  # an Engine that does not take `ngram` yet
+            why_no_ngram = f"this engine does not take n-gram candidates ({err})"
+            pure = hybrid = None
+    no_draft = "no --draft given"
+    candidates: list[tuple[str, str, Runner | None, str | None]] = [
+        ("HF plain", "hf", hf_runner(hf, n, None, None), None),
+        ("HF prompt lookup", "hf",
+         hf_runner(hf, n, args.prompt_lookup_tokens, args.prompt_lookup_max_ngram), None),
+        ("engine plain", "engine", engine_runner(main, n, False), None),
+        ("DSpine chain", "engine",
+         engine_runner(main, n, True, (1, None), g) if g else None, no_draft),
+        ("DSpine tree", "engine",
+         engine_runner(main, n, True, tree, g) if g else None, no_draft),
+        ("n-gram", "engine", engine_runner(pure, n, True) if pure else None, why_no_ngram),
+        ("hybrid", "engine", engine_runner(hybrid, n, True, tree, g) if hybrid else None,
+         why_no_ngram if pure is None else no_draft),
+    ]
+    wanted = set(selected_modes(args))
+    modes = []
+    for name, family, runner, why in candidates:
+        if name not in wanted:
+            continue
+        if runner is None:
+            skipped[name] = why or "not available"
+            continue
+        modes.append(Mode(name, family, runner, plain=name in ("HF plain", "engine plain")))
+    return Setup(modes, skipped, main.tokenizer, dict(main.chat_template_kwargs), main.device,
+                 main.target.dtype, ngram, g, main.target.config.vocab_size)
+
+
+# ---------------------------------------------------------------------------------- prompts
+def load_benchmarks(args: argparse.Namespace, setup: Setup) -> list[tuple[str, list[list[int]],
+                                                                          dict[str, Any]]]:
+    """(name, token ids per prompt, what the prompts are) of every benchmark, encoded once
+    the way the engine encodes them (the draft's chat template settings)."""
+    from dspine_train.engine.prompts import encode_prompts, read_prompts
+
+    out = []
+    if args.prompts:
+        texts = read_prompts(args.prompts)[: args.bench_prompts]
+        ids = encode_prompts(texts, setup.tokenizer, chat=not args.no_chat,
+                             vocab_size=setup.vocab_size,
+                             chat_template_kwargs=setup.chat_template_kwargs)
+        out.append((Path(args.prompts).stem, ids, {"source": str(args.prompts)}))
+    names = args.bench.split(",") if args.bench else ([] if args.prompts
+                                                      else ["humaneval", "sharegpt"])
+    if names:
+        from data_prep.benchmarks import load_benchmark
+        from dspine_train.eval_harness import encode_messages
+
+        for name in (n.strip() for n in names if n.strip()):
+            bench = load_benchmark(name, limit=args.bench_prompts)
+            ids = encode_messages(setup.tokenizer, bench.prompts, setup.chat_template_kwargs)
+            out.append((bench.name, ids, {"prompt_ids": list(bench.ids), "split": bench.split}))
+    return out
+
+
+# ---------------------------------------------------------------------------------- running
+def run_pass(modes: list[Mode], benches: list[tuple[str, list[list[int]], dict]],
+             temperature: float, rounds: int, seed: int) -> dict[tuple[str, str], Totals]:
+    """Every mode on every prompt, alternating prompt by prompt, `rounds` times."""
+    totals = {(b, m.name): Totals() for b, _, _ in benches for m in modes}
+    first = benches[0][1][0]
+    for mode in modes:  # warm-up: lazy inits, allocations and captures stay out of the timings
+        mode.run(first[:], temperature, seed)
+    for r in range(rounds):
+        for bench, prompts, _ in benches:
+            for index, ids in enumerate(prompts):
+                for mode in modes:
+                    totals[(bench, mode.name)].add(mode.run(ids, temperature, seed + index),
+                                                   r == 0)
+            print(f"T={temperature:g} pass {r + 1}/{rounds}: {bench} done", flush=True)
+    return totals
+
+
+def make_rows(totals: dict[tuple[str, str], Totals], modes: list[Mode],
+              benches: list[tuple[str, list[list[int]], dict]], temperature: float,
+              rounds: int) -> list[CompareRow]:
+    """The rows of one pass; greedy rows get speed-ups and the lossless check."""
+    greedy = temperature == 0
+    plain_of = {m.family: m.name for m in modes if m.plain}
+    rows = []
+    for bench, prompts, _ in benches:
+        hf_plain = totals.get((bench, "HF plain"))
+        for mode in modes:
+            t = totals[(bench, mode.name)]
+            row = CompareRow(
+                bench=bench, mode=mode.name, family=mode.family, temperature=temperature,
+                num_prompts=len(prompts), rounds=rounds, new_tokens=t.new_tokens,
+                verifications=t.verifications, verified_tokens=t.verified_tokens,
+                tau=t.verified_tokens / t.verifications if t.verifications else 0.0,
+                seconds=t.seconds, tokens_per_s=t.new_tokens / t.seconds if t.seconds else 0.0)
+            plain = totals.get((bench, plain_of.get(mode.family, "")))
+            if greedy and plain is not None:
+                row.speedup = _ratio(row.tokens_per_s, plain.new_tokens, plain.seconds)
+                row.lossless = t.outputs == plain.outputs
+                row.first_difference = first_difference(t.outputs, plain.outputs)
+            if greedy and hf_plain is not None:
+                row.speedup_vs_hf_plain = _ratio(row.tokens_per_s, hf_plain.new_tokens,
+                                                 hf_plain.seconds)
+                row.same_as_hf_plain = t.outputs == hf_plain.outputs
+            rows.append(row)
+    return rows
+
+
+def _ratio(tokens_per_s: float, base_tokens: int, base_seconds: float) -> float | None:
+    base = base_tokens / base_seconds if base_seconds else 0.0
+    return tokens_per_s / base if base else None
+
+
+def markdown_table(rows: list[CompareRow]) -> str:
+    """The rows as a markdown table (sampling rows: tau only)."""
+    def num(value: float | None, spec: str = ".2f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = ["| benchmark | mode | T | tau | tok/s | x plain | x HF plain | lossless |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        greedy = r.temperature == 0
+        lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**no**")
+        lines.append(
+            f"| {r.bench} | {r.mode} | {r.temperature:g} | {r.tau:.2f} | "
+            f"{num(r.tokens_per_s if greedy else None, '.1f')} | {num(r.speedup)} | "
+            f"{num(r.speedup_vs_hf_plain)} | {lossless} |")
+    return "\n".join(lines)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """The whole `--compare` run: prints the table, writes `--output`; the exit status."""
+    setup = build_modes(args)
+    benches = load_benchmarks(args, setup)
+    for name, why in setup.skipped.items():
+        print(f"mode {name!r} left out: {why}")
+    rows = make_rows(run_pass(setup.modes, benches, 0.0, args.rounds, args.seed),
+                     setup.modes, benches, 0.0, args.rounds)
+    if args.compare_temperature > 0:
+        sampled = [m for m in setup.modes if not m.plain]
+        totals = run_pass(sampled, benches, args.compare_temperature, 1, args.seed)
+        rows += make_rows(totals, sampled, benches, args.compare_temperature, 1)
+    table = markdown_table(rows)
+    print("\n" + table + "\n")
+    report = {
+        "target": args.target, "draft": args.draft, "device": str(setup.device),
+        "dtype": str(setup.dtype), "host": platform.node(),
+        "torch_threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds, "num_draft_tokens": setup.num_draft_tokens,
+        "tree": {"paths": args.compare_tree_paths, "nodes": args.compare_tree_nodes},
+        "prompt_lookup": {"num_tokens": args.prompt_lookup_tokens,
+                          "max_matching_ngram_size": args.prompt_lookup_max_ngram},
+        "ngram": asdict(setup.ngram) if setup.ngram is not None else None,
+        "benchmarks": {name: {"num_prompts": len(ids), **about} for name, ids, about in benches},
+        "skipped_modes": setup.skipped,
+        "rows": [asdict(r) for r in rows],
+        "table": table,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0

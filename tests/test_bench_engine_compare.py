@@ -1,0 +1,108 @@
+"""`scripts/bench_engine.py --compare`: every decoding mode side by side, on a tiny target."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _engine_helpers import build_tiny_target, build_tokenizer, tiny_draft
+
+from scripts.tools.bench.hf_reference import Decoded
+from scripts.tools.bench.side_by_side import MODE_NAMES, Mode, Totals, make_rows
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+# Repeats itself, so an earlier n-gram continues the answer: prompt lookup accepts tokens.
+REPETITIVE = "w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2 w3"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    hf = build_tiny_target(root / "target", "qwen3", eos_token_id=None, head_scale=4.0)
+    tok = build_tokenizer(root / "target", vocab_size=200)
+    # A chat template, so held-out style benchmark files (chat messages) can be encoded.
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(root / "target")
+    tiny_draft(hf, 200).save_pretrained(root / "draft")
+    (root / "prompts.jsonl").write_text(json.dumps({"prompt": REPETITIVE}) + "\n"
+                                        + '"w7 w8 w9 w7 w8 w9 w7 w8"\n')
+    (root / "heldout.jsonl").write_text(json.dumps({"prompt": "w4 w5 w6 w4 w5 w6 w4"}) + "\n")
+    return root
+
+
+def bench_command(files: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(REPO / "scripts" / "bench_engine.py"), "--compare",
+        "--target", str(files / "target"), "--draft", str(files / "draft"),
+        "--prompts", str(files / "prompts.jsonl"), "--bench", str(files / "heldout.jsonl"),
+        "--max-new-tokens", "16", "--max-seq-len", "64", "--rounds", "1",
+        "--compare-tree-paths", "2", "--output", str(out), *extra,
+    ]
+
+
+def test_compare_runs_every_mode_on_every_benchmark(files):
+    out = files / "compare.json"
+    done = subprocess.run(bench_command(files, out), capture_output=True, text=True, env=ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| benchmark | mode | T | tau | tok/s | x plain | x HF plain | lossless |" in done.stdout
+    report = json.loads(out.read_text())
+    ran = [m for m in MODE_NAMES if m not in report["skipped_modes"]]
+    assert {"HF plain", "HF prompt lookup", "engine plain", "DSpine chain", "DSpine tree"} <= set(ran)
+    greedy = [r for r in report["rows"] if r["temperature"] == 0]
+    # one row per mode and benchmark
+    assert sorted((r["bench"], r["mode"]) for r in greedy) == sorted(
+        (b, m) for b in ("prompts", "heldout") for m in ran)
+    assert report["benchmarks"]["prompts"]["num_prompts"] == 2
+    for row in greedy:  # every mode gives plain decoding's tokens, the engine's and HF's alike
+        assert row["lossless"] and row["same_as_hf_plain"], row
+        assert row["speedup"] > 0 and row["speedup_vs_hf_plain"] > 0
+    lookup = next(r for r in greedy if r["mode"] == "HF prompt lookup" and r["bench"] == "prompts")
+    # it accepted candidates: fewer target forwards (prefills included) than new tokens
+    assert lookup["verifications"] + lookup["num_prompts"] < lookup["new_tokens"]
+    assert lookup["tau"] > 1.0
+    plain = [r for r in greedy if r["mode"] in ("HF plain", "engine plain")]
+    assert all(r["tau"] == 1.0 for r in plain)
+    # the sampling pass: tau of every mode but plain decoding, nothing compared token by token
+    sampled = [r for r in report["rows"] if r["temperature"] > 0]
+    assert sorted((r["bench"], r["mode"]) for r in sampled) == sorted(
+        (b, m) for b in ("prompts", "heldout") for m in ran if not m.endswith("plain"))
+    assert all(r["lossless"] is None and r["tau"] >= 1.0 for r in sampled)
+
+
+def test_compare_rejects_an_unknown_mode_before_loading(files):
+    out = files / "bad.json"
+    done = subprocess.run(bench_command(files, out, "--compare-modes", "HF plain,warp"),
+                          capture_output=True, text=True, env=ENV)
+    assert done.returncode == 2
+    assert "--compare-modes: unknown mode(s) ['warp']" in done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
+
+
+def test_rows_compare_each_mode_with_its_own_plain_decoding():
+    """Speed-ups over the family's plain decoding and over HF plain; a differing output is
+    named by prompt and token."""
+    def mode(name, family, plain=False):
+        return Mode(name, family, lambda ids, t, s: None, plain=plain)
+
+    modes = [mode("HF plain", "hf", True), mode("HF prompt lookup", "hf"),
+             mode("engine plain", "engine", True), mode("DSpine chain", "engine")]
+    runs = {"HF plain": ([[1, 2, 3]], 2, 2, 3.0), "HF prompt lookup": ([[1, 2, 3]], 1, 2, 1.0),
+            "engine plain": ([[1, 2, 3]], 2, 2, 1.5), "DSpine chain": ([[1, 2, 4]], 1, 2, 1.0)}
+    totals = {}
+    for name, (outputs, verifications, verified, seconds) in runs.items():
+        t = totals[("b", name)] = Totals()
+        for tokens in outputs:
+            t.add(Decoded(tokens, verifications, verified, seconds), first_round=True)
+    rows = {r.mode: r for r in make_rows(totals, modes, [("b", [[0]], {})], 0.0, 1)}
+    assert rows["HF prompt lookup"].speedup == pytest.approx(3.0)
+    assert rows["HF prompt lookup"].tau == 2.0 and rows["HF prompt lookup"].lossless
+    assert rows["engine plain"].speedup == 1.0
+    assert rows["engine plain"].speedup_vs_hf_plain == pytest.approx(2.0)
+    chain = rows["DSpine chain"]
+    assert chain.speedup == pytest.approx(1.5) and chain.speedup_vs_hf_plain == pytest.approx(3.0)
+    assert chain.lossless is False and chain.first_difference == [0, 2]
