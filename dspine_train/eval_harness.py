@@ -194,10 +194,12 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
 
 def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchmark], *,
                  max_new_tokens: int, batch_size: int = 1, device: str | None = None,
-                 tree_paths: int = 1, tree_nodes: int | None = None) -> Any:
+                 tree_paths: int = 1, tree_nodes: int | None = None,
+                 dtype: torch.dtype | None = None) -> Any:
     """An `Engine` for ``target`` + ``draft`` with caches just long enough for ``benches``
     (and for a verified round of a token tree of that budget, where it is wider than a block:
-    ``tree_nodes``, by default ``tree_paths`` x (block - 1))."""
+    ``tree_nodes``, by default ``tree_paths`` x (block - 1)), the target in ``dtype`` (None:
+    the engine's default, the checkpoint's on CUDA and float32 on a CPU)."""
     from transformers import AutoTokenizer
 
     from dspine_train.engine import Engine
@@ -225,7 +227,7 @@ def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchm
                         "max_position_embeddings", None)
     # Never beyond the target's positions: a request that needs more is refused at generate,
     # naming the prompt, max_new_tokens and that bound.
-    return Engine.from_pretrained(target, draft, device=device, tokenizer=tokenizer,
+    return Engine.from_pretrained(target, draft, device=device, dtype=dtype, tokenizer=tokenizer,
                                   max_batch_size=batch_size,
                                   max_seq_len=min(needed, positions or needed))
 

@@ -81,10 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-new-tokens", type=int, default=128,
                       help="tokens the target generates per answer (greedy)")
     data.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                      help="the target's dtype when it answers the prompts and when its "
-                           "features are cached, and the draft's training precision (bf16 or "
-                           "fp32). auto: bfloat16 on CUDA or a CPU with native bf16 "
-                           "(AVX512-BF16, AMX, Arm BF16), else float32")
+                      help="the target's dtype when its features are cached, and the draft's "
+                           "training precision (bf16 or fp32). auto: bfloat16 on CUDA or a CPU "
+                           "with native bf16 (AVX512-BF16, AMX, Arm BF16), else float32. The "
+                           "target answers the prompts in the dtype the engine evaluates in "
+                           "(float32 on a CPU, bfloat16 on CUDA), so that its answers are the "
+                           "engine's own greedy ones")
     data.add_argument("--regen-batch-size", type=int, default=16,
                       help="answers generated together (16 measured fastest on 2 cores)")
     data.add_argument("--eval-fraction", type=float, default=0.1,
@@ -239,19 +241,21 @@ def stage_prompts(demo: Demo) -> dict[str, Any]:
 
 
 def stage_regenerate(demo: Demo) -> dict[str, Any]:
-    """The target answers each prompt greedily (so the trainer's simulated tau is exact)."""
+    """The target answers each prompt greedily (so the trainer's simulated tau is exact), in
+    the dtype the engine evaluates in (so the answers are the engine's greedy ones)."""
     from data_prep.regenerate import greedy_local_job, run_regeneration, summary_line
 
     args = demo.args
     data = greedy_local_job(
         demo.path("data", "prompts.jsonl"), demo.target, demo.path("data", "regenerated"),
-        max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size, dtype=args.dtype)
+        max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size,
+        dtype=args.serve_dtype)
     report = run_regeneration(data)
     print(summary_line(report))
     if report["done"] == 0:
         raise DemoError(f"regeneration produced no row; see {data.regenerate.output_dir}")
     return {**{k: report[k] for k in ("input", "done", "failed", "skipped",
-                                      "completion_tokens")}, "dtype": args.dtype}
+                                      "completion_tokens")}, "dtype": args.serve_dtype}
 
 
 def stage_tokenize(demo: Demo) -> dict[str, Any]:
@@ -356,7 +360,8 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
         g_values.append(g)
     loaded = [load_benchmark(b, limit=args.eval_prompts) for b in benches]
     engine = build_engine(demo.target, draft, loaded, max_new_tokens=args.eval_max_new_tokens,
-                          device="cuda" if torch.cuda.is_available() else "cpu")
+                          device="cuda" if torch.cuda.is_available() else "cpu",
+                          dtype=getattr(torch, args.serve_dtype))
     ar_cache: dict = {}  # plain decoding does not depend on g: run it once
     results = {}
     for index, g in enumerate(dict.fromkeys(g_values)):
@@ -396,7 +401,8 @@ def run_parity_check(demo: Demo, draft: Path) -> dict[str, Any]:
 
     report = parity_from_dataset(demo.target, draft, demo.path("data", "tokenized"),
                                  split="eval", limit=demo.args.parity_rows,
-                                 device="cuda" if torch.cuda.is_available() else "cpu")
+                                 device="cuda" if torch.cuda.is_available() else "cpu",
+                                 dtype=getattr(torch, demo.args.serve_dtype))
     out = demo.path("eval")
     write_json(out / "parity.json", report.to_json())
     (out / "parity.md").write_text(report.markdown())
@@ -436,18 +442,31 @@ def train_overrides(demo: Demo) -> list[str]:
 
 
 def resolve_dtype(args: argparse.Namespace) -> None:
-    """Turn `--dtype auto` into the dtype this machine runs fastest (printed; the stage records
-    hold the resolved value, so a cached stage is redone if another machine resolves otherwise)."""
-    if args.dtype != "auto":
-        return
+    """Resolve the demo's two dtypes (printed; the stage records hold the resolved values, so a
+    cached stage is redone if another machine resolves otherwise).
+
+    `args.serve_dtype`: the dtype the target generates in. It answers the training prompts in
+    it, and the engine evaluates and checks parity in it, so the answers are the engine's own
+    greedy ones: float32 on a CPU, where the engine's lossless check is bit-exact and a bf16
+    target rounds a one-row decode step and a multi-row verify differently at near-ties
+    (docs/results/demo_2026-12-02), and bfloat16 on CUDA.
+
+    `args.dtype` (`--dtype`): the cached features and the draft's training precision; `auto`
+    is the dtype this machine runs fastest (bf16 where it computes bf16 natively).
+    """
     import torch
 
+    cuda = torch.cuda.is_available()
+    args.serve_dtype = "bfloat16" if cuda else "float32"
+    if args.dtype != "auto":
+        return
     from data_prep.backends.local import native_bf16
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if cuda else "cpu")
     args.dtype = "bfloat16" if native_bf16(device) else "float32"
-    print(f"[demo] --dtype auto: {args.dtype} ({device.type}"
-          f"{', native bf16' if args.dtype == 'bfloat16' else ', no native bf16'})", flush=True)
+    print(f"[demo] --dtype auto: {args.dtype} for the features and the training ({device.type}"
+          f"{', native bf16' if args.dtype == 'bfloat16' else ', no native bf16'}); answers "
+          f"and the engine in {args.serve_dtype}", flush=True)
 
 
 def resolve_draft_shape(args: argparse.Namespace) -> None:
@@ -501,7 +520,7 @@ SPECS: dict[str, StageSpec] = {
         "num_prompts": a.num_prompts, "files": [str(p) for p in a.prompts],
         "max_prompt_chars": a.max_prompt_chars}, ("data/prompts.jsonl", "data/split.json")),
     "regenerate": StageSpec(("prompts",), lambda a: {
-        "max_new_tokens": a.max_new_tokens, "temperature": 0.0, "dtype": a.dtype},
+        "max_new_tokens": a.max_new_tokens, "temperature": 0.0, "dtype": a.serve_dtype},
         ("data/regenerated",)),
     "tokenize": StageSpec(("regenerate",), lambda a: {"eval_fraction": a.eval_fraction,
                                                        "max_length": 1024},
@@ -521,7 +540,7 @@ SPECS: dict[str, StageSpec] = {
     "export": StageSpec(("train",), lambda a: {}, ("draft",)),
     "evaluate": StageSpec(("export",), lambda a: {
         "bench": a.bench, "prompts": a.eval_prompts, "max_new_tokens": a.eval_max_new_tokens,
-        "parity_rows": a.parity_rows,
+        "parity_rows": a.parity_rows, "dtype": a.serve_dtype,
         "temperatures": a.temperatures, "g": a.num_draft_tokens}, ("eval",)),
 }
 

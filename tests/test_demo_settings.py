@@ -1,6 +1,7 @@
-"""The demo's training settings. `--dtype`: one setting for the target's
-answers, its cached features and the draft's training precision; `auto` picks bfloat16 only
-where the CPU computes it natively. `--draft-vocab-size`: the pruned draft vocabulary."""
+"""The demo's training settings. `--dtype`: the target's cached features and the draft's
+training precision; `auto` picks bfloat16 only where the CPU computes it natively. The target
+answers the prompts in the dtype the engine evaluates in (float32 on a CPU). `--draft-vocab-size`:
+the pruned draft vocabulary."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def test_auto_resolves_by_the_machine(monkeypatch: pytest.MonkeyPatch, native: b
     assert args.dtype == "auto"
     demo.resolve_dtype(args)
     assert args.dtype == expected
+    assert args.serve_dtype == "float32"  # answers and engine: the CPU's bit-exact dtype
     pinned = _args("--dtype", "float32")
     demo.resolve_dtype(pinned)
     assert pinned.dtype == "float32"  # an explicit choice is kept
@@ -74,8 +76,10 @@ def test_an_explicit_train_override_wins(tmp_path: Path) -> None:
     assert config.precision.value == "fp32" and config.model.target_dtype == "bfloat16"
 
 
-def test_regeneration_uses_the_dtype_and_caches_by_it(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_regeneration_uses_the_serving_dtype_and_caches_by_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answers come from the target in the dtype the engine serves it in, whatever
+    `--dtype` (the features' and the training's) says."""
     import data_prep.regenerate as regenerate
 
     seen = {}
@@ -88,12 +92,30 @@ def test_regeneration_uses_the_dtype_and_caches_by_it(tmp_path: Path,
     monkeypatch.setattr(regenerate, "run_regeneration", lambda job: {
         "input": 2, "done": 2, "failed": 0, "skipped": 0, "completion_tokens": 10})
     monkeypatch.setattr(regenerate, "summary_line", lambda report: "ok")
-    summary = demo.stage_regenerate(_demo(tmp_path, "--dtype", "bfloat16"))
-    assert seen["dtype"] == "bfloat16" and summary["dtype"] == "bfloat16"
-    # Another dtype is another cache key for every stage the target or the draft runs in.
-    for stage in ("regenerate", "features", "train"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = _demo(tmp_path, "--dtype", "bfloat16")
+    demo.resolve_dtype(run.args)
+    summary = demo.stage_regenerate(run)
+    assert seen["dtype"] == "float32" and summary["dtype"] == "float32"
+
+    def resolved(*argv: str, cuda: bool = False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        args = _args(*argv)
+        demo.resolve_dtype(args)
+        return args
+
+    # Another dtype is another cache key for every stage the target or the draft runs in:
+    # --dtype for the features and the training, the serving dtype for the answers and the
+    # evaluation.
+    for stage in ("features", "train"):
         settings = demo.SPECS[stage].settings
-        assert settings(_args("--dtype", "bfloat16")) != settings(_args("--dtype", "float32"))
+        assert settings(resolved("--dtype", "bfloat16")) != settings(resolved("--dtype",
+                                                                              "float32"))
+    for stage in ("regenerate", "evaluate"):
+        settings = demo.SPECS[stage].settings
+        assert settings(resolved("--dtype", "bfloat16")) == settings(resolved("--dtype",
+                                                                              "float32"))
+        assert settings(resolved()) != settings(resolved(cuda=True))
 
 
 @pytest.mark.parametrize(("flag", "expected"), [("0", None), ("32768", 32768)])
@@ -120,3 +142,63 @@ def test_an_unknown_stage_is_refused_by_flag_before_any_work(
     assert f"{flag}: unknown stage(s) ['evaluat']" in err
     assert all(stage in err for stage in demo.STAGES)  # the stages it knows are listed
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("cuda", "native"), [(False, True), (False, False), (True, True)])
+def test_answers_evaluation_and_parity_share_one_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  cuda: bool, native: bool) -> None:
+    """The answers are regenerated in the dtype the engine evaluates and checks parity in, so
+    the dataset's answers are the engine's greedy ones (no parity warning that the defaults
+    caused: before, a CPU with native bf16 answered in bf16 and evaluated in fp32)."""
+    import data_prep.benchmarks as benchmarks
+    import data_prep.regenerate as regenerate
+    import dspine_train.eval_harness as harness
+    import dspine_train.parity as parity
+    from dspine_train.benchmark_prompts import Benchmark
+
+    monkeypatch.setattr(local, "native_bf16", lambda device: native)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(regenerate, "greedy_local_job",
+                        lambda *a, **kw: seen.setdefault("regenerate", kw["dtype"]))
+    monkeypatch.setattr(regenerate, "run_regeneration", lambda job: {
+        "input": 1, "done": 1, "failed": 0, "skipped": 0, "completion_tokens": 1})
+    monkeypatch.setattr(regenerate, "summary_line", lambda report: "ok")
+    monkeypatch.setattr(benchmarks, "load_benchmark", lambda name, limit: Benchmark(
+        name, [[{"role": "user", "content": "hi"}]], ["0"], {}))
+
+    def fake_engine(*args, **kwargs):
+        seen["evaluate"] = kwargs.get("dtype")  # None: the engine's default for the device
+        return "engine"
+
+    def fake_parity(*args, **kwargs):
+        seen["parity"] = kwargs.get("dtype", torch.float32)  # parity's own default
+        raise RuntimeError("stop here: the dtypes are recorded")
+
+    monkeypatch.setattr(harness, "build_engine", fake_engine)
+    monkeypatch.setattr(harness, "evaluate", lambda *a, **kw: [])
+    monkeypatch.setattr(harness, "save_results", lambda *a, **kw: None)
+    monkeypatch.setattr(harness, "results_markdown", lambda results: "")
+    monkeypatch.setattr(harness, "plot_results", lambda *a, **kw: None)
+    monkeypatch.setattr(parity, "parity_from_dataset", fake_parity)
+
+    run = _demo(tmp_path)
+    demo.resolve_dtype(run.args)
+    demo.stage_regenerate(run)
+    run.path("draft").mkdir(parents=True)
+    run.path("draft", "config.json").write_text(json.dumps({"block_size": 8}))
+    run.path("eval").mkdir(parents=True)
+    with pytest.raises(RuntimeError, match="stop here"):
+        demo.stage_evaluate(run)
+    config = demo.train_config(run)
+    # One dtype for everything the target generates: the answers, the engine's evaluation and
+    # its parity check; float32 on a CPU (even one with native bf16), bfloat16 on CUDA.
+    served = torch.bfloat16 if cuda else torch.float32
+    engine_default = torch.bfloat16 if cuda else torch.float32  # the default target is bf16
+    assert getattr(torch, seen["regenerate"]) == served
+    assert (seen["evaluate"] or engine_default) == served
+    assert seen["parity"] == served
+    # --dtype auto: the features and the training in what the machine runs fastest
+    trained = torch.bfloat16 if native else torch.float32
+    assert getattr(torch, config.model.target_dtype) == trained
+    assert config.precision.value == ("bf16" if trained == torch.bfloat16 else "fp32")
