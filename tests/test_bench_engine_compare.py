@@ -51,8 +51,8 @@ def test_compare_runs_every_mode_on_every_benchmark(files):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| benchmark | mode | T | tau | tok/s | x plain | x HF plain | lossless |" in done.stdout
     report = json.loads(out.read_text())
-    ran = [m for m in MODE_NAMES if m not in report["skipped_modes"]]
-    assert {"HF plain", "HF prompt lookup", "engine plain", "DSpine chain", "DSpine tree"} <= set(ran)
+    assert report["skipped_modes"] == {}
+    ran = list(MODE_NAMES)
     greedy = [r for r in report["rows"] if r["temperature"] == 0]
     # one row per mode and benchmark
     assert sorted((r["bench"], r["mode"]) for r in greedy) == sorted(
@@ -61,10 +61,11 @@ def test_compare_runs_every_mode_on_every_benchmark(files):
     for row in greedy:  # every mode gives plain decoding's tokens, the engine's and HF's alike
         assert row["lossless"] and row["same_as_hf_plain"], row
         assert row["speedup"] > 0 and row["speedup_vs_hf_plain"] > 0
-    lookup = next(r for r in greedy if r["mode"] == "HF prompt lookup" and r["bench"] == "prompts")
-    # it accepted candidates: fewer target forwards (prefills included) than new tokens
-    assert lookup["verifications"] + lookup["num_prompts"] < lookup["new_tokens"]
-    assert lookup["tau"] > 1.0
+    for name in ("HF prompt lookup", "n-gram"):
+        row = next(r for r in greedy if r["mode"] == name and r["bench"] == "prompts")
+        # it accepted candidates: fewer target forwards (prefills included) than new tokens
+        assert row["verifications"] + row["num_prompts"] < row["new_tokens"], row
+        assert row["tau"] > 1.0
     plain = [r for r in greedy if r["mode"] in ("HF plain", "engine plain")]
     assert all(r["tau"] == 1.0 for r in plain)
     # the sampling pass: tau of every mode but plain decoding, nothing compared token by token

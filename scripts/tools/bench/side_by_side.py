@@ -3,8 +3,10 @@
 The modes are rows of `(name, family, runner)` (`build_modes`; adding a mode is one line):
 transformers' own plain decoding and prompt-lookup decoding (`hf_reference`, the reference run
 by transformers itself), and the engine's plain decoding, DSpine chain, DSpine tree, n-gram
-only and hybrid (DSpine + n-gram) modes. A mode whose parts are missing (no `--draft`, an
-engine without n-gram candidates) is left out and the report says why.
+only (no draft), hybrid (the draft's chain plus the n-gram branch), hybrid tree (the draft's
+tree plus the n-gram branch) and adaptive (the hybrid tree's engine choosing each round's shape
+by measured cost, `engine.round_planner`). The engine modes share one loaded target
+(`load_engines`). Rows that need a draft are left out without `--draft`, and the report says so.
 
 Every prompt is decoded alone (transformers' assisted generation takes a batch of one), from
 the same token ids in every mode, greedy. The modes alternate prompt by prompt and repeat over
@@ -38,13 +40,16 @@ from typing import Any
 import torch
 
 from dspine_train.checkpoint_io import write_text_atomic
+from dspine_train.engine import Engine
+from dspine_train.engine.errors import GenerationInputError
+from dspine_train.engine.ngram import NgramConfig
 from scripts.tools.bench.hf_reference import Decoded, HFReference
 
 # (ids, temperature, seed) -> what one prompt's decoding produced and cost
 Runner = Callable[[list[int], float, int], Decoded]
 # every mode's name, in table order (`build_modes` lists the same ones, with their runners)
 MODE_NAMES = ("HF plain", "HF prompt lookup", "engine plain", "DSpine chain", "DSpine tree",
-              "n-gram", "hybrid")
+              "n-gram", "hybrid", "hybrid tree", "adaptive")
 
 
 @dataclass
@@ -135,18 +140,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compare-temperature", type=float, default=1.0,
                        help="temperature of the sampling pass (tau only); 0 skips it")
     group.add_argument("--compare-modes", default=None,
-                       help="comma-separated mode names to run (default: every one available)")
-    for flag, what in (("--ngram-max-n", "longest"), ("--ngram-min-n", "shortest")):
-        try:  # the engine's own flags where `add_engine_arguments` defines them
-            group.add_argument(flag, type=int, default=None,
-                               help=f"{what} n-gram matched (default: NgramConfig's)")
-        except argparse.ArgumentError:
-            pass
-    try:
-        group.add_argument("--ngram-tokens", type=int, default=None,
-                           help="tokens one n-gram proposal holds (default: NgramConfig's)")
-    except argparse.ArgumentError:
-        pass
+                       help="comma-separated mode names to run (default: every one available): "
+                       + ", ".join(MODE_NAMES) + "; the n-gram rows take the --ngram-* values "
+                       "(--ngram itself is not needed)")
 
 
 def compare_argument_problem(args: argparse.Namespace) -> str | None:
@@ -161,6 +157,10 @@ def compare_argument_problem(args: argparse.Namespace) -> str | None:
             return f"--{flag.replace('_', '-')} must be >= 1, got {value}"
     if not args.compare_temperature >= 0:
         return f"--compare-temperature must be >= 0, got {args.compare_temperature}"
+    try:
+        ngram_config(args)
+    except GenerationInputError as err:
+        return str(err)
     unknown = sorted(set(selected_modes(args)) - set(MODE_NAMES))
     if unknown:
         return f"--compare-modes: unknown mode(s) {unknown}; modes are {', '.join(MODE_NAMES)}"
@@ -175,20 +175,21 @@ def selected_modes(args: argparse.Namespace) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- engines
-def ngram_config(args: argparse.Namespace) -> tuple[Any | None, str | None]:
-    """The engine's `NgramConfig` from the flags, or (None, why there is none)."""
-    try:
-        from dspine_train.engine.ngram import NgramConfig
-    except ImportError:
-        return None, "this engine has no n-gram candidates (dspine_train.engine.ngram)"
-    given = {key: getattr(args, f"ngram_{name}", None)
-             for key, name in (("max_n", "max_n"), ("min_n", "min_n"), ("num_tokens", "tokens"))}
-    return NgramConfig(**{k: v for k, v in given.items() if v is not None}), None
+def ngram_config(args: argparse.Namespace) -> NgramConfig:
+    """The n-gram rows' `NgramConfig`, from the engine's `--ngram-*` flags."""
+    return NgramConfig(max_n=args.ngram_max_n, min_n=args.ngram_min_n,
+                       num_tokens=args.ngram_tokens, match=args.ngram_match)
 
 
-def load_engine(args: argparse.Namespace, draft: str | None, ngram: Any | None) -> Any:
-    """An engine for one prompt at a time, with `draft` and n-gram candidates `ngram`."""
-    from dspine_train.engine import Engine
+def load_engines(args: argparse.Namespace, ngram: NgramConfig) -> dict[str, Engine]:
+    """Engines for one prompt at a time that share one loaded target (and draft): "main"
+    (the draft, for plain decoding and the DSpine rows), "ngram" (no draft), and with a draft
+    "hybrid" (draft + n-gram) and "adaptive" (the same, each round's shape by measured cost).
+
+    One copy of the weights serves them all. Each engine sizes the target's caches when it is
+    built (all alike here), so every engine is built before any of them runs: on CUDA their
+    graphs are then all captured on the same cache buffers.
+    """
     from dspine_train.engine.cli import DTYPES
 
     kwargs: dict[str, Any] = {"max_batch_size": 1, "cuda_graphs": not args.no_cuda_graphs}
@@ -196,11 +197,19 @@ def load_engine(args: argparse.Namespace, draft: str | None, ngram: Any | None) 
         kwargs["max_seq_len"] = args.max_seq_len
     if args.chat_template_kwargs is not None:
         kwargs["chat_template_kwargs"] = json.loads(args.chat_template_kwargs)
-    if ngram is not None:
-        kwargs["ngram"] = ngram
-    return Engine.from_pretrained(args.target, draft, device=args.device,
+    main = Engine.from_pretrained(args.target, args.draft, device=args.device,
                                   dtype=DTYPES[args.dtype] if args.dtype else None,
                                   tokenizer=args.tokenizer, **kwargs)
+    kwargs.update(eos_token_ids=main.eos_token_ids,
+                  chat_template_kwargs=main.chat_template_kwargs)
+    engines = {"main": main,
+               "ngram": Engine(main.target, None, main.tokenizer, ngram=ngram, **kwargs)}
+    if main.draft is not None:
+        engines["hybrid"] = Engine(main.target, main.draft, main.tokenizer, ngram=ngram,
+                                   **kwargs)
+        engines["adaptive"] = Engine(main.target, main.draft, main.tokenizer, ngram=ngram,
+                                     adaptive=True, **kwargs)
+    return engines
 
 
 def engine_runner(engine: Any, max_new_tokens: int, speculative: bool,
@@ -248,7 +257,7 @@ class Setup:
     chat_template_kwargs: dict[str, Any]
     device: torch.device
     dtype: torch.dtype
-    ngram: Any | None
+    ngram: NgramConfig
     num_draft_tokens: int | None
     vocab_size: int
 
@@ -256,43 +265,40 @@ class Setup:
 def build_modes(args: argparse.Namespace) -> Setup:
     """Load what the modes need and list them (the one place a mode is added)."""
     n = args.max_new_tokens
-    skipped: dict[str, str] = {}
-    ngram, why_no_ngram = ngram_config(args)
-    main = load_engine(args, args.draft, None)  # plain decoding, and the DSpine rows
+    ngram = ngram_config(args)
+    engines = load_engines(args, ngram)
+    main = engines["main"]
     g = (args.num_draft_tokens or [main.block_size - 1])[0] if main.draft is not None else None
-    tree = (args.compare_tree_paths, args.compare_tree_nodes)
+    chain, tree = (1, None), (args.compare_tree_paths, args.compare_tree_nodes)
     hf = HFReference(args.target, device=main.device, dtype=main.target.dtype,
                      eos_token_ids=main.eos_token_ids,
                      pad_token_id=getattr(main.tokenizer, "pad_token_id", None))
-    pure = hybrid = None
-    if ngram is not None:
-        try:  # separate engines: an engine's n-gram setting holds for all its rounds
-            pure = load_engine(args, None, ngram)
-            hybrid = load_engine(args, args.draft, ngram) if args.draft else None
-        except TypeError as err:  # an Engine that does not take `ngram` yet
-            why_no_ngram = f"this engine does not take n-gram candidates ({err})"
-            pure = hybrid = None
-    no_draft = "no --draft given"
-    candidates: list[tuple[str, str, Runner | None, str | None]] = [
-        ("HF plain", "hf", hf_runner(hf, n, None, None), None),
+
+    def spec(kind: str, budget: tuple[int, int | None] | None) -> Runner | None:
+        engine = engines.get(kind)
+        if engine is None or (engine.draft is None and kind != "ngram"):
+            return None
+        return engine_runner(engine, n, True, budget, g if engine.draft is not None else None)
+
+    candidates: list[tuple[str, str, Runner | None]] = [
+        ("HF plain", "hf", hf_runner(hf, n, None, None)),
         ("HF prompt lookup", "hf",
-         hf_runner(hf, n, args.prompt_lookup_tokens, args.prompt_lookup_max_ngram), None),
-        ("engine plain", "engine", engine_runner(main, n, False), None),
-        ("DSpine chain", "engine",
-         engine_runner(main, n, True, (1, None), g) if g else None, no_draft),
-        ("DSpine tree", "engine",
-         engine_runner(main, n, True, tree, g) if g else None, no_draft),
-        ("n-gram", "engine", engine_runner(pure, n, True) if pure else None, why_no_ngram),
-        ("hybrid", "engine", engine_runner(hybrid, n, True, tree, g) if hybrid else None,
-         why_no_ngram if pure is None else no_draft),
+         hf_runner(hf, n, args.prompt_lookup_tokens, args.prompt_lookup_max_ngram)),
+        ("engine plain", "engine", engine_runner(main, n, False)),
+        ("DSpine chain", "engine", spec("main", chain)),
+        ("DSpine tree", "engine", spec("main", tree)),
+        ("n-gram", "engine", spec("ngram", None)),
+        ("hybrid", "engine", spec("hybrid", chain)),  # the draft's chain + the n-gram branch
+        ("hybrid tree", "engine", spec("hybrid", tree)),
+        ("adaptive", "engine", spec("adaptive", tree)),  # per round: the best shape by cost
     ]
     wanted = set(selected_modes(args))
-    modes = []
-    for name, family, runner, why in candidates:
+    modes, skipped = [], {}
+    for name, family, runner in candidates:
         if name not in wanted:
             continue
         if runner is None:
-            skipped[name] = why or "not available"
+            skipped[name] = "no --draft given"
             continue
         modes.append(Mode(name, family, runner, plain=name in ("HF plain", "engine plain")))
     return Setup(modes, skipped, main.tokenizer, dict(main.chat_template_kwargs), main.device,
@@ -328,20 +334,31 @@ def load_benchmarks(args: argparse.Namespace, setup: Setup) -> list[tuple[str, l
 
 # ---------------------------------------------------------------------------------- running
 def run_pass(modes: list[Mode], benches: list[tuple[str, list[list[int]], dict]],
-             temperature: float, rounds: int, seed: int) -> dict[tuple[str, str], Totals]:
-    """Every mode on every prompt, alternating prompt by prompt, `rounds` times."""
-    totals = {(b, m.name): Totals() for b, _, _ in benches for m in modes}
+             temperature: float, rounds: int, seed: int,
+             skipped: dict[str, str]) -> tuple[list[Mode], dict[tuple[str, str], Totals]]:
+    """Every mode on every prompt, alternating prompt by prompt, `rounds` times; the modes
+    that ran and their totals. A mode that refuses to sample is left out of a sampling pass
+    (named in `skipped`); at temperature 0 every mode must run."""
     first = benches[0][1][0]
+    ready = []
     for mode in modes:  # warm-up: lazy inits, allocations and captures stay out of the timings
-        mode.run(first[:], temperature, seed)
+        try:
+            mode.run(first[:], temperature, seed)
+        except GenerationInputError as err:
+            if temperature == 0:
+                raise
+            skipped[f"{mode.name} (T={temperature:g})"] = str(err)
+            continue
+        ready.append(mode)
+    totals = {(b, m.name): Totals() for b, _, _ in benches for m in ready}
     for r in range(rounds):
         for bench, prompts, _ in benches:
             for index, ids in enumerate(prompts):
-                for mode in modes:
+                for mode in ready:
                     totals[(bench, mode.name)].add(mode.run(ids, temperature, seed + index),
                                                    r == 0)
             print(f"T={temperature:g} pass {r + 1}/{rounds}: {bench} done", flush=True)
-    return totals
+    return ready, totals
 
 
 def make_rows(totals: dict[tuple[str, str], Totals], modes: list[Mode],
@@ -402,12 +419,13 @@ def run_compare(args: argparse.Namespace) -> int:
     benches = load_benchmarks(args, setup)
     for name, why in setup.skipped.items():
         print(f"mode {name!r} left out: {why}")
-    rows = make_rows(run_pass(setup.modes, benches, 0.0, args.rounds, args.seed),
-                     setup.modes, benches, 0.0, args.rounds)
+    ran, totals = run_pass(setup.modes, benches, 0.0, args.rounds, args.seed, setup.skipped)
+    rows = make_rows(totals, ran, benches, 0.0, args.rounds)
     if args.compare_temperature > 0:
         sampled = [m for m in setup.modes if not m.plain]
-        totals = run_pass(sampled, benches, args.compare_temperature, 1, args.seed)
-        rows += make_rows(totals, sampled, benches, args.compare_temperature, 1)
+        ran, totals = run_pass(sampled, benches, args.compare_temperature, 1, args.seed,
+                               setup.skipped)
+        rows += make_rows(totals, ran, benches, args.compare_temperature, 1)
     table = markdown_table(rows)
     print("\n" + table + "\n")
     report = {
@@ -418,7 +436,7 @@ def run_compare(args: argparse.Namespace) -> int:
         "tree": {"paths": args.compare_tree_paths, "nodes": args.compare_tree_nodes},
         "prompt_lookup": {"num_tokens": args.prompt_lookup_tokens,
                           "max_matching_ngram_size": args.prompt_lookup_max_ngram},
-        "ngram": asdict(setup.ngram) if setup.ngram is not None else None,
+        "ngram": asdict(setup.ngram),
         "benchmarks": {name: {"num_prompts": len(ids), **about} for name, ids, about in benches},
         "skipped_modes": setup.skipped,
         "rows": [asdict(r) for r in rows],
