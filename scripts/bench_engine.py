@@ -20,10 +20,11 @@ step, tokens/s and the ratios to the chain, and whether the outputs equal plain 
 With `--compare` it instead runs every decoding mode side by side, one prompt at a time, on the
 same prompts (the held-out HumanEval and ShareGPT prompts by default, `--bench` / `--prompts`):
 transformers' own plain and prompt-lookup decoding (`--prompt-lookup-tokens`, default 7), and
-the engine's plain, DSpine chain, DSpine tree, n-gram and hybrid modes, interleaved over
-`--rounds` passes, greedy, then a sampling pass (`--compare-temperature`, tau only). It prints a
-markdown table (tau, tokens/s, speed-up over plain decoding, lossless) and writes the rows as
-JSON; `scripts/tools/bench/side_by_side.py` says how each figure is measured.
+the engine's plain, DSpine chain, DSpine tree, n-gram (`--ngram-*`), hybrid, hybrid tree and
+adaptive modes (`--compare-modes` picks some), interleaved over `--rounds` passes, greedy, then
+a sampling pass (`--compare-temperature`, tau only). It prints a markdown table (tau, tokens/s,
+speed-up over plain decoding, lossless) and writes the rows as JSON;
+`scripts/tools/bench/side_by_side.py` says how each figure is measured.
 
     python scripts/bench_engine.py --compare --target TARGET_DIR --draft DRAFT_DIR \
         --bench humaneval,sharegpt --bench-prompts 12 --max-new-tokens 64 --dtype float32 \
