@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,8 +12,16 @@ from pathlib import Path
 import pytest
 from _engine_helpers import build_tiny_target, build_tokenizer, tiny_draft
 
+from dspine_train.engine.cli import add_engine_arguments
 from scripts.tools.bench.hf_reference import Decoded
-from scripts.tools.bench.side_by_side import MODE_NAMES, Mode, Totals, make_rows
+from scripts.tools.bench.side_by_side import (
+    MODE_NAMES,
+    Mode,
+    Totals,
+    add_compare_arguments,
+    compare_argument_problem,
+    make_rows,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -82,6 +91,23 @@ def test_compare_rejects_an_unknown_mode_before_loading(files):
     assert done.returncode == 2
     assert "--compare-modes: unknown mode(s) ['warp']" in done.stderr
     assert "Traceback" not in done.stderr and not out.exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens must be >= 1"),
+    (["--compare-tree-paths", "1", "--compare-tree-nodes", "9"], "needs --compare-tree-paths > 1"),
+    (["--compare-temperature", "nan"], "--compare-temperature must be a finite number >= 0"),
+    (["--ngram-min-n", "4", "--ngram-max-n", "2"], "--ngram-min-n"),
+    (["--compare-modes", "n-gram,plain"], "unknown mode(s) ['plain']"),
+])
+def test_compare_flags_are_checked_by_name(argv, message):
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser, prompts_required=False)
+    add_compare_arguments(parser)
+    args = parser.parse_args(["--target", "t", "--compare", *argv])
+    assert message in compare_argument_problem(args)
+    assert compare_argument_problem(parser.parse_args(["--target", "t", "--compare"])) is None
 
 
 def test_rows_compare_each_mode_with_its_own_plain_decoding():

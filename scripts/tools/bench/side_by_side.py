@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -121,8 +122,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--compare", action="store_true",
         help="every mode side by side, one prompt at a time: transformers' plain and "
-        "prompt-lookup decoding, the engine's plain, DSpine chain / tree, n-gram and hybrid "
-        "modes (--batch-sizes and the step timings do not apply)")
+        "prompt-lookup decoding, the engine's plain, DSpine chain / tree, n-gram, hybrid and "
+        "adaptive modes (--batch-sizes and the step timings do not apply)")
     group.add_argument(
         "--bench", default=None,
         help="comma-separated benchmarks: humaneval, sharegpt (the data recipes' held-out "
@@ -155,8 +156,11 @@ def compare_argument_problem(args: argparse.Namespace) -> str | None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {value}"
-    if not args.compare_temperature >= 0:
-        return f"--compare-temperature must be >= 0, got {args.compare_temperature}"
+    if args.compare_tree_nodes is not None and args.compare_tree_paths == 1:
+        return (f"--compare-tree-nodes {args.compare_tree_nodes} sizes a token tree: it needs "
+                "--compare-tree-paths > 1")
+    if not (math.isfinite(args.compare_temperature) and args.compare_temperature >= 0):
+        return f"--compare-temperature must be a finite number >= 0, got {args.compare_temperature}"
     try:
         ngram_config(args)
     except GenerationInputError as err:
