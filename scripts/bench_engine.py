@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
 
 from dspine_train.engine.cli import add_engine_arguments, build_engine, run_batches
 from dspine_train.engine.prompts import read_prompts
+from dspine_train.engine.stats import time_calls
 
 
 def time_call(fn, device: torch.device, repeats: int) -> float:
@@ -38,16 +38,7 @@ def time_call(fn, device: torch.device, repeats: int) -> float:
     The minimum, not the median: on a shared machine other processes only ever add time.
     """
     fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
+    return min(time_calls(fn, device, repeats))
 
 
 def draft_step_costs(engine, prompts: list[str], chat: bool, repeats: int) -> dict[str, float]:

@@ -49,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -59,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
 
 from dspine_train import DSpineConfig, DSpineDraftModel  # noqa: E402
+from dspine_train.engine.stats import StepTimer  # noqa: E402
 from dspine_train.objective import sample_anchors  # noqa: E402
 from dspine_train.token_table import build_token_table  # noqa: E402
 from dspine_train.training.draft_step import DraftStep  # noqa: E402
@@ -145,16 +145,6 @@ def _make_step(args, device, target, embed, head, table, layer_ids, batch, injec
     return one_step, sum(p.numel() for p in draft.parameters())
 
 
-def _timed(one_step, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    one_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def _peak_memory(args, device, built, injection: bool) -> float:
     """Peak memory (MiB) of warm-up + timed steps of one variant (run in a worker process)."""
     one_step, _ = _make_step(args, device, *built, injection=injection)
@@ -179,10 +169,12 @@ def _interleaved_times(args, device, built) -> dict[str, dict]:
     for _ in range(args.warmup):
         for one_step, _ in steps.values():
             one_step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    timer = StepTimer(device)
     for _ in range(args.iters):
         for name, (one_step, _) in steps.items():
-            times[name].append(_timed(one_step, device))
+            with timer.section(name):
+                one_step()
+    times = timer.samples()
     slots = built[-1][0].shape[0] * built[-1][4].shape[1] * args.block
     out = {}
     for name, ts in times.items():

@@ -10,8 +10,6 @@ captured them: capture is never inside a timing. The engine's caches are left re
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import torch
 
 from dspine_train.engine.errors import GenerationInputError
+from dspine_train.engine.stats import median_ms
 from dspine_train.modeling.sdpa_attention import fused_sdpa_only, record_sdpa_backends
 
 
@@ -142,20 +141,4 @@ def _median_ms(
     call()  # one untimed run (caches, allocator)
     if after is not None:
         after()
-    cuda = engine.device.type == "cuda"
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start_s = time.perf_counter()
-            call()
-            times.append(1e3 * (time.perf_counter() - start_s))
-        if after is not None:
-            after()
-    return statistics.median(times)
+    return median_ms(call, engine.device, iters, after)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,31 +118,6 @@ def reset_peak(device: torch.device) -> None:
     """Start a new peak-memory window (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def median_ms(fn: Callable[[], Any], iters: int, device: torch.device, warmup: int = 2) -> float:
-    """Median time of `fn()` in ms: CUDA events per call on CUDA, perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    if device.type == "cuda":
-        pairs = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            pairs.append((start, end))
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in pairs]
-    else:
-        for _ in range(iters):
-            start_s = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start_s))
-    times.sort()
-    return times[len(times) // 2]
 
 
 # ------------------------------------------------------------------ engine helpers
