@@ -42,6 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
 
+from dspine_train.markdown_table import markdown_table  # noqa: E402
 from scripts.tools.child_runs import offline_env, run_logged  # noqa: E402
 
 STAGES = ("target", "prompts", "regenerate", "tokenize", "token_table", "features", "train",
@@ -569,12 +570,14 @@ STAGE_FUNCS: dict[str, Callable[[Demo], dict[str, Any]]] = {
 
 def final_report(demo: Demo, records: dict[str, dict[str, Any]], ran: dict[str, bool]) -> str:
     """Stage times, the evaluation tables and the trainer's simulated tau, as markdown."""
-    lines = ["## DSpine demo", "", "| stage | seconds | this run | summary |", "|---|---:|---|---|"]
+    rows = []
     for name, record in records.items():
         summary = {k: v for k, v in record["summary"].items()
                    if k not in ("simulated_per_position", "assembly")}
-        lines.append(f"| {name} | {record['seconds']} | {'ran' if ran[name] else 'cached'} | "
-                     f"{json.dumps(summary, default=str)[:160]} |")
+        rows.append((name, record["seconds"], "ran" if ran[name] else "cached",
+                     json.dumps(summary, default=str)[:160]))
+    lines = ["## DSpine demo", "",
+             *markdown_table(["stage", "seconds", "this run", "summary"], rows, align="lrll")]
     total = sum(r["seconds"] for r in records.values())
     lines += ["", f"Total stage time: {total:.0f} s ({total / 60:.1f} min), "
               f"load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores.", ""]
