@@ -124,7 +124,7 @@ class PathStep:
         return float(loss.detach())
 
 
-def _objective_change(draft, items, k: int) -> dict[str, float]:  # noqa: ANN001
+def _objective_change(draft: DSpineDraftModel, items: list[tuple], k: int) -> dict[str, float]:
     """|objective(top-k target) - objective(exact target)| over the batches, same weights."""
     diffs, remainders = [], []
     with torch.no_grad():

@@ -6,7 +6,7 @@ import argparse
 import inspect
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -17,6 +17,10 @@ from scripts.tools.gpu_check.models import (
     margin_target,
     tiny_qwen3_config,
 )
+
+if TYPE_CHECKING:
+    from dspine_train.modeling import DSpineDraftModel
+    from scripts.tools.bench.oracle_draft import OracleDraft
 
 GIB = 1024**3
 
@@ -130,7 +134,9 @@ def engine_target_from_hf(hf: transformers.PreTrainedModel) -> TargetModel:
     return target.eval().requires_grad_(False)
 
 
-def make_engine(target: TargetModel, draft: Any, **kwargs: Any) -> Engine:
+def make_engine(
+    target: TargetModel, draft: DSpineDraftModel | OracleDraft | None, **kwargs: Any
+) -> Engine:
     """`Engine(...)` with strict graph capture; options this engine version lacks are dropped
     (`strict_graphs`, `compile`), so the check runs against the engine before and after them."""
     accepted = inspect.signature(Engine.__init__).parameters
