@@ -7,7 +7,6 @@ once (CPU); `calibrate` times one round of each shape the round planner chooses 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -16,7 +15,7 @@ import torch
 from dspine_train.engine.request_checks import check_sampling, check_warmup
 from dspine_train.engine.round_planner import RoundCosts
 from dspine_train.engine.sampling import Sampler
-from dspine_train.engine.stats import StepTimer
+from dspine_train.engine.stats import StepTimer, median_ms
 
 if TYPE_CHECKING:
     from dspine_train.engine.engine import Engine
@@ -127,19 +126,12 @@ def calibrate(engine: Engine, batch: int, num_draft_tokens: int, repeats: int = 
             engine.draft.crop_context(engine.draft_cache, engine.target.cache.lengths[:batch])
         anchors = torch.zeros(batch, dtype=torch.long, device=engine.device)
         for shape in shapes:
-            samples = []
-            for _ in range(repeats + 1):
-                _synchronize(engine)
-                start = time.perf_counter()
+            def one_round(shape=shape):
                 engine._round_of(shape, anchors, 1, proposals, sampler, timer)
-                _synchronize(engine)
-                samples.append(time.perf_counter() - start)
-            seconds[shape.name] = sorted(samples[1:])[len(samples[1:]) // 2]
+
+            one_round()  # untimed: compiles and captures on CUDA
+            seconds[shape.name] = median_ms(one_round, engine.device, repeats) / 1e3
         engine.target.cache.reset(engine.max_batch_size)
     engine._costs[key] = RoundCosts(seconds, batch)
     return engine._costs[key]
 
-
-def _synchronize(engine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
