@@ -44,6 +44,7 @@ from dspine_train.checkpoint_io import write_text_atomic
 from dspine_train.engine import Engine
 from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.ngram import NgramConfig
+from dspine_train.markdown_table import markdown_table
 from scripts.tools.bench.hf_reference import Decoded, HFReference
 
 # (ids, temperature, seed) -> what one prompt's decoding produced and cost
@@ -400,21 +401,20 @@ def _ratio(tokens_per_s: float, base_tokens: int, base_seconds: float) -> float 
     return tokens_per_s / base if base else None
 
 
-def markdown_table(rows: list[CompareRow]) -> str:
+def compare_table(rows: list[CompareRow]) -> str:
     """The rows as a markdown table (sampling rows: tau only)."""
     def num(value: float | None, spec: str = ".2f") -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = ["| benchmark | mode | T | tau | tok/s | x plain | x HF plain | lossless |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    cells = []
     for r in rows:
         greedy = r.temperature == 0
         lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**no**")
-        lines.append(
-            f"| {r.bench} | {r.mode} | {r.temperature:g} | {r.tau:.2f} | "
-            f"{num(r.tokens_per_s if greedy else None, '.1f')} | {num(r.speedup)} | "
-            f"{num(r.speedup_vs_hf_plain)} | {lossless} |")
-    return "\n".join(lines)
+        cells.append([r.bench, r.mode, f"{r.temperature:g}", f"{r.tau:.2f}",
+                      num(r.tokens_per_s if greedy else None, ".1f"), num(r.speedup),
+                      num(r.speedup_vs_hf_plain), lossless])
+    header = ["benchmark", "mode", "T", "tau", "tok/s", "x plain", "x HF plain", "lossless"]
+    return "\n".join(markdown_table(header, cells, align="llrrrrrl"))
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -430,7 +430,7 @@ def run_compare(args: argparse.Namespace) -> int:
         ran, totals = run_pass(sampled, benches, args.compare_temperature, 1, args.seed,
                                setup.skipped)
         rows += make_rows(totals, ran, benches, args.compare_temperature, 1)
-    table = markdown_table(rows)
+    table = compare_table(rows)
     print("\n" + table + "\n")
     report = {
         "target": args.target, "draft": args.draft, "device": str(setup.device),
