@@ -31,7 +31,7 @@ from scripts.tools.ablation.study_report import (
     target_title,
     write_study_report,
 )
-from scripts.tools.ablation.variants import STUDY, VARIANTS, Variant
+from scripts.tools.ablation.variants import ABLATION, STUDY, VARIANTS, Variant
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,20 @@ def test_each_variant_composes_to_a_draft_that_differs_where_it_says(tmp_path: P
         config = compose_train_config(*settings.train_arguments(VARIANTS[name]))
         assert config.output_dir != base_config.output_dir, name  # a folder of its own
         assert dataclasses.replace(config, output_dir=base_config.output_dir) != base_config, name
+
+
+def test_each_variant_has_one_name_and_both_studies_pick_from_the_registry() -> None:
+    """No two registered variants train (or decode) the same thing under two names."""
+    seen: dict[tuple, str] = {}
+    for variant in VARIANTS.values():
+        key = (frozenset(variant.overrides), variant.reuse)
+        assert key not in seen, f"{variant.name} is {seen.get(key)} again"
+        seen[key] = variant.name
+    for rows in (ABLATION, STUDY):
+        assert set(rows.rows) <= set(VARIANTS) and set(rows.optional) <= set(rows.rows)
+        assert all(VARIANTS[n].reuse in rows.rows for n in rows.rows if VARIANTS[n].reuse)
+    assert [v.name for v in ABLATION.select(["dspine_no_tcache"])] == ["dspine",
+                                                                       "dspine_no_tcache"]
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if VARIANTS[n].switches()])

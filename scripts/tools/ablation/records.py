@@ -25,6 +25,28 @@ def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
+class Session:
+    """One training session of a run (`sessions.json`): its start and end (time.time()); a
+    killed session has no end until the next session closes it at its last metrics line."""
+
+    start: float
+    end: float | None = None
+    killed: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The session as JSON values (`killed` only when it was)."""
+        data = asdict(self)
+        if not self.killed:
+            del data["killed"]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Session:
+        """The session of `to_json`'s output."""
+        return cls(**_known(cls, data))
+
+
+@dataclass
 class Evaluation:
     """One export's measured acceptance, cached beside its run (`evaluation.json` of the
     ablation, `result.json` of the study) and reused only for the same weights and request.

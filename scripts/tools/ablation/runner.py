@@ -38,7 +38,7 @@ from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
 from dspine_train.training.block_stats import BlockResults
 from scripts.tools.child_runs import run_logged
 
-from .records import Evaluation
+from .records import Evaluation, Session
 from .variants import Variant, variant_named
 
 FEATURES_DIR = "features"
@@ -264,16 +264,16 @@ def resume_step(run_dir: Path) -> int:
     return int(json.loads((done[-1] / STATE_FILE).read_text())["step"]) if done else 0
 
 
-def sessions(run_dir: Path) -> list[dict[str, Any]]:
-    """The training sessions of a run (`sessions.json`): start and end times; a killed one
-    has no end until the next session closes it."""
+def sessions(run_dir: Path) -> list[Session]:
+    """The training sessions of a run (`sessions.json`)."""
     path = run_dir / SESSIONS_FILE
-    return json.loads(path.read_text()) if path.is_file() else []
+    return ([Session.from_json(item) for item in json.loads(path.read_text())]
+            if path.is_file() else [])
 
 
-def _write_sessions(run_dir: Path, records: list[dict[str, Any]]) -> None:
+def _write_sessions(run_dir: Path, records: list[Session]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / SESSIONS_FILE).write_text(json.dumps(records, indent=2))
+    (run_dir / SESSIONS_FILE).write_text(json.dumps([s.to_json() for s in records], indent=2))
 
 
 def training_wall_s(run_dir: Path) -> float:
@@ -283,12 +283,12 @@ def training_wall_s(run_dir: Path) -> float:
     metrics = run_dir / "metrics.jsonl"
     records = sessions(run_dir)
     for index, session in enumerate(records):
-        end = session.get("end")
+        end = session.end
         if end is None and index + 1 < len(records):  # killed, then resumed: at most until
-            end = records[index + 1]["start"]  # the next session started
+            end = records[index + 1].start  # the next session started
         elif end is None and metrics.is_file():
-            end = max(session["start"], metrics.stat().st_mtime)
-        total += (end or session["start"]) - session["start"]
+            end = max(session.start, metrics.stat().st_mtime)
+        total += (end or session.start) - session.start
     return total
 
 
@@ -316,16 +316,16 @@ def train_variant(
     records = sessions(run_dir)
     metrics = run_dir / "metrics.jsonl"
     for session in records:
-        if session.get("end") is None:  # killed: it ran until its last metrics line, which
-            # the resumed run is about to rewrite
-            last = metrics.stat().st_mtime if metrics.is_file() else session["start"]
-            session.update(end=max(session["start"], last), killed=True)
-    records.append({"start": time.time(), "end": None})
+        if session.end is None:  # killed: it ran until its last metrics line, which the
+            # resumed run is about to rewrite
+            last = metrics.stat().st_mtime if metrics.is_file() else session.start
+            session.end, session.killed = max(session.start, last), True
+    records.append(Session(time.time()))
     _write_sessions(run_dir, records)
     start = time.perf_counter()
     run_logged([sys.executable, "train.py", *arguments], run_dir / "train.log",
                f"training {variant.name}", echo=echo, error=StudyError)
-    records[-1]["end"] = time.time()
+    records[-1].end = time.time()
     _write_sessions(run_dir, records)
     # the wall time of this session: the steps from `resumed_from_step` on
     timing = {"train_wall_s": time.perf_counter() - start, "resumed_from_step": resumed,
