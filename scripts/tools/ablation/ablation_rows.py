@@ -17,11 +17,15 @@ from .records import AblationRow, Evaluation, RunBudget
 from .runner import BLOCKS_FILE, RUN_CONFIG, StudySettings, source_run_dir
 from .variants import REFERENCE, Variant
 
+# settings of the training study's own stages (final evaluation, plan, archive, report), which
+# the ablation does not run
+STUDY_ONLY = ("final_max_blocks", "plan_steps", "report_stem", "command", "archive_dir")
+
 
 def settings_record(settings: StudySettings) -> dict[str, Any]:
-    """The settings as JSON-ready values."""
+    """The settings the ablation ran with, as JSON-ready values."""
     return {key: str(value) if isinstance(value, Path) else value
-            for key, value in asdict(settings).items()}
+            for key, value in asdict(settings).items() if key not in STUDY_ONLY}
 
 
 def collect_row(settings: StudySettings, variant: Variant, evaluation: Evaluation) -> AblationRow:
