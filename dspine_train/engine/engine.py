@@ -40,6 +40,7 @@ from dspine_train.engine.acceptance import (
     greedy_accept,
     rejection_accept,
 )
+from dspine_train.engine.chain_draft import ChainDrafter
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.errors import CheckpointError, GenerationInputError
 from dspine_train.engine.ngram import NgramConfig, NgramIndex, pack_proposals
@@ -55,7 +56,6 @@ from dspine_train.engine.tree_verify import TreeVerifier
 from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
 from dspine_train.engine.warmup import calibrate, warm_up
 from dspine_train.engine.weights import load_target
-from dspine_train.modeling.exponential_race import exponential_noise
 
 
 @dataclass
@@ -172,8 +172,8 @@ class Engine:
             compile_backend=compile_backend,
         )
         self._target_step = StepCache(self._target_forward, "verify", **steps)
-        self._draft_step = StepCache(self._draft_greedy, "draft", **steps)
-        self._draft_sample_step = StepCache(self._draft_sample, "sampling draft", **steps)
+        self._chain = ChainDrafter(draft, lambda: self.draft_cache, steps)
+        self._draft_step, self._draft_sample_step = self._chain.greedy_steps, self._chain.sample_steps
         self._commit_step = StepCache(self._commit, "commit", state=self._commit_state, **steps)
         self._tree = TreeVerifier(target, draft, lambda: self.draft_cache, steps)
         self.configure_tree(tree_paths, tree_nodes)
@@ -540,10 +540,10 @@ class Engine:
         draft_q = candidates = None
         if num_draft_tokens > 0:
             draft_kv = self._bucket(longest + self.block_size, self._draft_capacity())
-            step, inputs = self._draft_inputs(anchors, sampler)
+            step, inputs = self._chain.step_inputs(anchors, sampler)
             step.prepare(*inputs, kv_len=draft_kv)  # capture outside the timing
             with timer.section("draft"):
-                draft_tokens, draft_q, candidates = self._propose(
+                draft_tokens, draft_q, candidates = self._chain.propose(
                     step, inputs, num_draft_tokens, draft_kv
                 )
         block = torch.cat([anchors[:, None], draft_tokens], dim=1)  # (B, g + 1)
@@ -564,49 +564,7 @@ class Engine:
         )
         return accept, features, drafted
 
-    def _draft_inputs(
-        self, anchors: torch.Tensor, sampler: Sampler
-    ) -> tuple[StepCache, tuple[torch.Tensor, ...]]:
-        """The draft step of this call (greedy or sampling) and its inputs for `anchors`.
-
-        The sampling draft's randomness (the exponential race's Exp(1) draws) is drawn here from
-        the call's generator, so the step itself is a pure function of tensors."""
-        if sampler.temperature <= 0.0:
-            return self._draft_step, (anchors,)
-        noise = self._draft_noise(anchors.shape[0], sampler.generator)
-        return self._draft_sample_step, (anchors, noise, sampler.scale)
-
-    def _propose(
-        self, step: StepCache, inputs: tuple[torch.Tensor, ...], num_draft: int, kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The first `num_draft` of the draft's proposals for each anchor, and (when sampling)
-        their q over the slots' candidates and the candidates, `(B, g, K)` each."""
-        out = step(*inputs, kv_len=kv_len)
-        tokens = out[0][:, :num_draft]
-        if len(out) == 1:  # greedy
-            return tokens, None, None
-        return tokens, out[1][:, :num_draft], out[2][:, :num_draft]
-
-    def _draft_noise(self, batch: int, generator: torch.Generator | None) -> torch.Tensor:
-        """Exp(1) draws `(B, Bk-1, K)` for one sampling draft block (see `_draft_sample`)."""
-        shape = (batch, self.block_size - 1, self.draft.num_candidates)
-        return exponential_noise(shape, generator, self.device)
-
     # ------------------------------------------------------------------ steps (compiled, graphed)
-    def _draft_greedy(self, anchors: torch.Tensor, kv_len: int) -> tuple[torch.Tensor]:
-        return (self.draft.propose(self.draft_cache, anchors, 0.0, None, kv_len=kv_len).tokens,)
-
-    def _draft_sample(
-        self, anchors: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor, kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled proposals: tokens `(B, Bk-1)`, q and candidates `(B, Bk-1, K)`, given the
-        race's Exp(1) `noise (B, Bk-1, K)` and the 0-dim `temperature` tensor (one capture
-        serves every temperature)."""
-        proposal = self.draft.propose(
-            self.draft_cache, anchors, temperature, None, kv_len=kv_len, noise=noise
-        )
-        return proposal.tokens, proposal.q, proposal.candidates
-
     def _target_forward(
         self, block: torch.Tensor, kv_len: int
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
