@@ -335,7 +335,7 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
     import torch
 
     from data_prep.benchmarks import load_benchmark
-    from dspine_train.eval_harness import (
+    from dspine_train.evaluation.harness import (
         build_engine,
         evaluate,
         plot_results,
@@ -388,11 +388,11 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
 
 
 def run_parity_check(demo: Demo, draft: Path) -> dict[str, Any]:
-    """The parity check on the eval split (`dspine_train.parity`): writes eval/parity.{json,md}
+    """The parity check on the eval split (`dspine_train.evaluation.parity`): writes eval/parity.{json,md}
     and returns the figures the final report prints."""
     import torch
 
-    from dspine_train.parity import parity_from_dataset
+    from dspine_train.evaluation.parity import parity_from_dataset
 
     report = parity_from_dataset(demo.target, draft, demo.path("data", "tokenized"),
                                  split="eval", limit=demo.args.parity_rows,

@@ -117,7 +117,7 @@ def test_warmup_and_commit_run_on_the_device_without_host_reads(files, dev) -> N
 def test_the_cli_and_the_evaluation_harness_run_on_the_device(files, dev, capsys) -> None:
     from data_prep.benchmarks import Benchmark
     from dspine_train.engine.cli import main
-    from dspine_train.eval_harness import evaluate
+    from dspine_train.evaluation.harness import evaluate
 
     root, _ = files
     out = root / f"cli_{dev.device.type}.json"

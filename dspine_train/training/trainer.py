@@ -25,30 +25,26 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..evaluation.block_metrics import AcceptanceStats, BlockResults, stats_from_counts
+from ..evaluation.held_out import (
+    BlockPlan,
+    every_block_plan,
+    simulated_acceptance_counts,
+    simulated_block_accepts,
+)
 from ..modeling.attention_masks import default_use_flex, training_attention_path
 from ..modeling.compiled_flex import check_flex_usable
-from ..objective import sample_anchors
+from ..objective import batch_generator, sample_anchors
 from . import warm_start
-from .block_stats import BlockResults
 from .checkpointing import CheckpointManager, TrainState
 from .config import TrainConfig
 from .curriculum import replacement_mask, replacement_share
-from .data import Batch, BatchStream, TokenBatches
+from .data import Batch, BatchStream, TokenBatches, evaluation_plan
 from .distributed import build_accelerator, without_zero3_init
 from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
 from .draft_vocab import prune_draft_vocab, tokenizer_or_none
 from .errors import TrainingError
-from .evaluation import (
-    AcceptanceStats,
-    BlockPlan,
-    batch_generator,
-    evaluation_plan,
-    every_block_plan,
-    simulated_acceptance_counts,
-    simulated_block_accepts,
-    stats_from_counts,
-)
 from .export import check_export_dirs, export_draft
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity

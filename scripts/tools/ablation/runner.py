@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
-from dspine_train.training.block_stats import BlockResults
+from dspine_train.evaluation.block_metrics import BlockResults
 from scripts.tools.child_runs import run_logged
 
 from .variants import Variant
@@ -121,7 +121,7 @@ class AblationSettings:
             # evaluate once, at the end (the simulated tau of the table); checkpoint at the end
             # and every quarter, so an interrupted variant resumes instead of restarting
             "eval.every=0",
-            # on every held-out block (paired across variants, with SEs: `block_stats`)
+            # on every held-out block (paired across variants, with SEs: `block_metrics`)
             "eval.every_block=true",
             f"eval.max_blocks={EVERY_BLOCK}",
             f"checkpoint.every={max(1, self.steps // 4)}",
@@ -361,28 +361,28 @@ def harness_evaluator(target: str, settings: AblationSettings,
     """`export_dir -> [BenchResult as dict]`: the evaluation harness on one draft export.
 
     `ar_cache`: shared by the calls of one process on one machine, so plain decoding (which
-    does not depend on the draft) runs once per benchmark (`eval_harness.evaluate`).
+    does not depend on the draft) runs once per benchmark (`harness.evaluate`).
 
     A failure (bad benchmark, incompatible draft, a prompt the caches cannot hold) becomes an
     `AblationError` naming the export.
     """
     from data_prep.benchmarks import load_benchmark
-    from dspine_train import eval_harness
     from dspine_train.engine import CheckpointError, GenerationInputError, IncompatibleDraftError
+    from dspine_train.evaluation import harness
 
     def run(export_dir: Path) -> list[dict]:
         try:
             benches = [load_benchmark(name, limit=settings.limit, seed=settings.eval_seed,
                                       max_prompt_chars=settings.max_prompt_chars)
                        for name in settings.benches]
-            results = eval_harness.evaluate(
+            results = harness.evaluate(
                 target, str(export_dir), benches, settings.temperatures,
                 max_new_tokens=settings.max_new_tokens,
                 num_draft_tokens=settings.num_draft_tokens, measure_ar=settings.measure_ar,
                 seed=settings.eval_seed, batch_size=settings.eval_batch_size,
                 ar_cache=ar_cache,
             )
-        except (eval_harness.BenchmarkError, CheckpointError, IncompatibleDraftError,
+        except (harness.BenchmarkError, CheckpointError, IncompatibleDraftError,
                 GenerationInputError, ValueError) as err:
             raise AblationError(f"evaluating {export_dir}: {err}") from err
         return [asdict(r) for r in results]
@@ -443,7 +443,7 @@ def collect_row(
 
 def _paired_vs_dspine(settings: AblationSettings, variant: Variant) -> dict[str, float] | None:
     """The variant's simulated tau minus `dspine`'s on the same held-out blocks, with SEs."""
-    from dspine_train.training.block_stats import paired_difference
+    from dspine_train.evaluation.block_metrics import paired_difference
 
     mine = settings.run_dir(variant) / BLOCKS_FILE
     reference = settings.out_dir / "dspine" / BLOCKS_FILE
