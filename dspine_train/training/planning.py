@@ -10,10 +10,10 @@ from transformers import PretrainedConfig
 
 from ..modeling import DSpineConfig
 from ..modeling.attention_masks import default_use_flex
-from . import warm_start
 from .config import Precision, TrainConfig
 from .draft_builder import draft_config_for
 from .errors import TrainingError
+from .initialisation import from_dflash
 from .memory_plan import MemoryPlan, estimate_memory
 from .target import load_target_config, used_vocab_size
 from .tiny_assets import tiny_target_config
@@ -46,9 +46,9 @@ def plan_draft_config(config: TrainConfig, target: PretrainedConfig | None = Non
             used = used_vocab_size(m.target_path, target.vocab_size, m.used_vocab_size)
         except TrainingError:
             pass  # the run names what is wrong with the tokenizer; the plan needs no mask id
-    # (a DFlash checkpoint in `init_from` brings its own mask id: `warm_start`)
+    # (a DFlash checkpoint in `init_from` brings its own mask id: `from_dflash`)
     if ((used is None or used >= target.vocab_size) and m.mask_token_id is None
-            and warm_start.dflash_checkpoint(m.init_from) is None):
+            and from_dflash.dflash_checkpoint(m.init_from) is None):
         m = dataclasses.replace(m, mask_token_id=target.vocab_size - 1)
     return draft_config_for(m, target, used)
 
