@@ -44,12 +44,12 @@ from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
 from .draft_vocab import prune_draft_vocab, tokenizer_or_none
 from .errors import TrainingError
-from .export import check_export_dirs, export_draft
 from .initialisation import from_dflash
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity
 from .optimizer import build_optimizer
 from .plots import plot_training
+from .run_export import check_export_dirs, export_draft
 from .run_lock import lock_run_outputs, release_run_outputs
 from .target import (
     TargetFeatureExtractor,
