@@ -276,7 +276,7 @@ def stage_token_table(demo: Demo) -> dict[str, Any]:
     DSpineConfig's default capped at the target's width when the recipe leaves it unset, as a
     preset such as `specforge_published` does)."""
     from dspine_train.token_table import TokenTableConfig, build_from_config
-    from dspine_train.training.planning import plan_draft_config
+    from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 
     transfer_dim = plan_draft_config(train_config(demo)).transfer_dim
     table = build_from_config(TokenTableConfig(target=str(demo.target),

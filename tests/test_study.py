@@ -14,7 +14,7 @@ import pytest
 
 from dspine_train.evaluation.block_metrics import BlockResults, paired_difference
 from dspine_train.training.config import compose_train_config
-from dspine_train.training.planning import plan_draft_config
+from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 from scripts.tools.ablation import runner, study
 from scripts.tools.ablation.runner import AblationError
 from scripts.tools.ablation.study import (

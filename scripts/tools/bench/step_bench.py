@@ -28,8 +28,8 @@ from dspine_train.training.draft_builder import build_draft, load_or_build_token
 from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.draft_vocab import prune_draft_vocab, tokenizer_or_none
 from dspine_train.training.inputs import check_inputs
+from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 from dspine_train.training.offline_features import OfflineFeatures, cache_identity
-from dspine_train.training.planning import plan_draft_config
 from dspine_train.training.target import TargetFeatures, read_embedding_and_head
 from dspine_train.vocab_loss import target_topk
 from scripts.tools.bench.reference_objective import ReferenceDraftStep
