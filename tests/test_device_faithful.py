@@ -20,6 +20,7 @@ from _train_helpers import REPO, check_ok, read_metrics, run_module, tiny_overri
 from device_harness import DEVICE_TYPE, DeviceError, FakeDevice, accelerator
 
 from dspine_train.engine import Engine
+from dspine_train.engine.ngram import NgramConfig
 from dspine_train.training.trainer import MICRO_BATCH_SYNCS
 
 DEVICES = [DEVICE_TYPE, pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -78,20 +79,23 @@ def _engine(root: Path, dev, **kwargs) -> Engine:
                                   eos_token_ids=[], kv_bucket_size=32, **kwargs)
 
 
-ROUNDS = [  # (name, tree paths, temperature, speculative)
-    ("plain decoding", 1, 0.0, False),
-    ("greedy chain", 1, 0.0, True),
-    ("sampling chain", 1, 1.0, True),
-    ("greedy tree", 3, 0.0, True),
-    ("sampling tree", 3, 1.0, True),
+ROUNDS = [  # (name, tree paths, temperature, speculative, n-gram candidates)
+    ("plain decoding", 1, 0.0, False, False),
+    ("greedy chain", 1, 0.0, True, False),
+    ("sampling chain", 1, 1.0, True, False),
+    ("greedy tree", 3, 0.0, True, False),
+    ("sampling tree", 3, 1.0, True, False),
+    ("greedy hybrid", 2, 0.0, True, True),
+    ("sampling hybrid", 1, 1.0, True, True),
 ]
 
 
-@pytest.mark.parametrize("name,paths,temperature,speculative", ROUNDS, ids=[r[0] for r in ROUNDS])
+@pytest.mark.parametrize("name,paths,temperature,speculative,ngram", ROUNDS,
+                         ids=[r[0] for r in ROUNDS])
 def test_every_round_runs_on_the_device_with_one_host_read(files, dev, name, paths, temperature,
-                                                           speculative) -> None:
+                                                           speculative, ngram) -> None:
     root, reference = files
-    engine = _engine(root, dev, tree_paths=paths)
+    engine = _engine(root, dev, tree_paths=paths, ngram=NgramConfig() if ngram else None)
     run = engine.generate if speculative else engine.generate_ar
     with dev.counting() as syncs:
         out = run(PROMPTS, max_new_tokens=NEW, chat=False, temperature=temperature, seed=3)
@@ -112,6 +116,24 @@ def test_warmup_and_commit_run_on_the_device_without_host_reads(files, dev) -> N
         engine.warmup(batch_sizes=[1, 3], num_draft_tokens=[7], temperature=1.0)
     assert sum(syncs.values()) == 0, syncs.sites
     assert engine.generate(PROMPTS, max_new_tokens=NEW, chat=False).token_ids == reference
+
+
+def test_ngram_mode_and_adaptive_rounds_add_no_host_read(files, dev) -> None:
+    """The n-gram proposals are found on the host and copied in; an adaptive engine measures
+    its round costs at warmup (outside the counted call) and then reads once per round."""
+    root, reference = files
+    for draft in (False, True):
+        engine = Engine.from_pretrained(
+            root / "target", root / "draft" if draft else None, device=dev.device,
+            dtype=torch.float32, max_batch_size=4, max_seq_len=128, eos_token_ids=[],
+            kv_bucket_size=32, ngram=NgramConfig(), adaptive=True)
+        engine.warmup(batch_sizes=[len(PROMPTS)], num_draft_tokens=[7] if draft else None)
+        with dev.counting() as syncs:
+            out = engine.generate(PROMPTS, max_new_tokens=NEW, chat=False)
+        assert out.token_ids == reference
+        assert sum(syncs.values()) <= out.stats.steps + 1, syncs.sites
+        if dev.device.type == DEVICE_TYPE:
+            assert sum(syncs.values()) == out.stats.steps + 1, syncs.sites
 
 
 def test_the_cli_and_the_evaluation_harness_run_on_the_device(files, dev, capsys) -> None:

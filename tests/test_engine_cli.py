@@ -170,3 +170,27 @@ def test_bench_script_compares_chain_and_trees(files):
     rows = json.loads(out.read_text())["tree_runs"]
     assert [(r["mode"], r["paths"], r["nodes"]) for r in rows] == [("chain", 1, 7), ("tree", 2, 9)]
     assert all(r["identical"] for r in rows) and rows[0]["tau_vs_chain"] == 1.0
+
+
+def test_cli_ngram_modes_are_lossless_and_bad_flags_named(files, capsys):
+    argv = [
+        "--target", str(files / "target"), "--prompts", str(files / "prompts.jsonl"), "--no-chat",
+        "--max-new-tokens", "6", "--batch-size", "2", "--max-seq-len", "48",
+    ]
+    assert main([*argv, "--output", str(files / "plain.json")]) == 0
+    runs = {
+        "ngram": ["--ngram", "--ngram-tokens", "4"],  # no draft: the n-gram mode
+        "hybrid": ["--draft", str(files / "draft"), "--ngram", "--adaptive"],
+    }
+    plain = json.loads((files / "plain.json").read_text())
+    for name, flags in runs.items():
+        assert main([*argv, *flags, "--output", str(files / f"{name}.json")]) == 0
+        report = json.loads((files / f"{name}.json").read_text())
+        assert report["stats"]["mode"] == "speculative"
+        assert sum(report["stats"]["round_shapes"].values()) == report["stats"]["steps"]
+        assert [r["token_ids"] for r in report["results"]] == [
+            r["token_ids"] for r in plain["results"]
+        ]
+    capsys.readouterr()
+    assert main([*argv, "--ngram", "--ngram-min-n", "3", "--ngram-max-n", "2"]) == 2
+    assert "--ngram-max-n" in capsys.readouterr().err

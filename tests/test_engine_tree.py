@@ -242,8 +242,9 @@ def test_tree_never_accepts_fewer_tokens_than_the_chain(world):
             prefix = row[:cut]
             anchor = torch.tensor(engine.generate([prefix], max_new_tokens=1, chat=False).token_ids[0])
             with torch.inference_mode():
-                chain_acc, _ = engine._round(anchor, cut, g, sampler, timer)
-                tree_acc, _ = engine._tree_round(anchor, cut, g, 12, sampler, timer)
+                chain_acc, _, _ = engine._round(anchor, cut, g, sampler, timer)
+                tree = engine.round_shapes(g)[-1]  # the tree of 4 paths in 12 nodes
+                tree_acc, _, _ = engine._round_of(tree, anchor, cut, None, sampler, timer)
             chain_counts.append(int(chain_acc.num_accepted))
             tree_counts.append(int(tree_acc.num_accepted))
     assert all(t >= c for t, c in zip(tree_counts, chain_counts, strict=True))

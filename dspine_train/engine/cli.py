@@ -3,11 +3,14 @@
     python -m dspine_train.engine --target TARGET_DIR --draft DRAFT_DIR --prompts prompts.txt \
         [--max-new-tokens 128] [--temperature 0] [--top-p 1] [--no-chat] [--stop "###"] \
         [--num-draft-tokens 7] [--batch-size 8] [--device cpu] [--dtype float32] \
-        [--ar] [--output results.json]
+        [--ar] [--ngram [--ngram-max-n 3 --ngram-min-n 1 --ngram-tokens 7]] [--adaptive] \
+        [--output results.json]
 
 Prompts: a `.jsonl` file of `{"prompt": ...}` rows (or JSON strings), else one prompt per line,
 in UTF-8 without a byte-order mark. Without `--draft` (or with `--ar`) it decodes plainly with
-the target alone. Flag values, the prompts file and the `--output` location are checked before
+the target alone. `--ngram` adds n-gram candidates (prompt lookup) to every round's tree, or is
+the whole proposal without `--draft`; `--adaptive` picks each round's shape (plain step, n-gram,
+draft, both) by measured cost. Flag values, the prompts file and the `--output` location are checked before
 any model is loaded; a bad one is reported in one line naming it, with exit status 2.
 """
 
@@ -29,6 +32,7 @@ from dspine_train.engine.errors import (
     GenerationInputError,
     IncompatibleDraftError,
 )
+from dspine_train.engine.ngram import MATCH_POLICIES, NgramConfig
 from dspine_train.engine.prompts import read_prompts, utf8_problem
 from dspine_train.engine.stats import GenerationStats, sum_stats
 from dspine_train.writable import output_file_problem
@@ -61,6 +65,31 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\' '
         "(default: what the draft's export records, i.e. how its training rows were rendered)",
     )
+    defaults = NgramConfig()
+    ngram = parser.add_argument_group("n-gram candidates (prompt lookup) and round shapes")
+    ngram.add_argument("--ngram", action="store_true",
+                       help="add each sequence's n-gram continuation to every round's tree "
+                       "(without --draft: the n-gram mode)")
+    ngram.add_argument("--ngram-max-n", type=int, default=defaults.max_n,
+                       help="longest suffix looked up (default: %(default)s)")
+    ngram.add_argument("--ngram-min-n", type=int, default=defaults.min_n,
+                       help="shortest suffix looked up (default: %(default)s)")
+    ngram.add_argument("--ngram-tokens", type=int, default=defaults.num_tokens,
+                       help="continuation tokens per proposal (default: %(default)s)")
+    ngram.add_argument("--ngram-match", choices=MATCH_POLICIES, default=defaults.match,
+                       help="which earlier occurrence continues a suffix (default: %(default)s)")
+    ngram.add_argument("--adaptive", action="store_true",
+                       help="verify per round the shape (plain step, n-gram, draft, both) with "
+                       "the most expected tokens per second, by measured cost")
+
+
+def ngram_config(args: argparse.Namespace) -> NgramConfig | None:
+    """The `--ngram*` flags as an `NgramConfig` (None without `--ngram`); a bad value raises
+    `GenerationInputError` naming its flag."""
+    if not args.ngram:
+        return None
+    return NgramConfig(max_n=args.ngram_max_n, min_n=args.ngram_min_n,
+                       num_tokens=args.ngram_tokens, match=args.ngram_match)
 
 
 def device_problem(name: str) -> str | None:
@@ -84,6 +113,10 @@ def engine_argument_problem(args: argparse.Namespace) -> str | None:
     problem = device_problem(args.device)
     if problem:
         return problem
+    try:
+        ngram_config(args)
+    except GenerationInputError as err:
+        return str(err)
     if args.chat_template_kwargs is not None:
         try:
             value = json.loads(args.chat_template_kwargs)
@@ -105,6 +138,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         kwargs["max_seq_len"] = args.max_seq_len
     if args.chat_template_kwargs is not None:
         kwargs["chat_template_kwargs"] = json.loads(args.chat_template_kwargs)
+    kwargs.update(ngram=ngram_config(args), adaptive=args.adaptive)
     return Engine.from_pretrained(
         args.target,
         args.draft,
@@ -240,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prompts = read_prompts(args.prompts)
         engine = build_engine(args)
-        speculative = engine.draft is not None and not args.ar
-        if speculative:
+        speculative = (engine.draft is not None or engine.ngram is not None) and not args.ar
+        if speculative and engine.draft is not None:
             engine.configure_tree(args.tree_paths, args.tree_nodes)
         kwargs = dict(
             max_new_tokens=args.max_new_tokens,
@@ -278,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({stats.tokens_per_s:.1f} tok/s), tau {stats.tau:.2f}, "
         f"draft {stats.draft_ms_per_step:.2f} ms/step, "
         f"verify {stats.verify_ms_per_step:.2f} ms/step"
+        + (f", rounds {stats.round_shapes}" if stats.round_shapes else "")
     )
     if args.output:
         problem = _write_output(Path(args.output), {"results": rows, "stats": summary})

@@ -12,6 +12,12 @@ With `tree_paths` M > 1 a round drafts and verifies a token tree instead of the 
 paths through the draft's K x K lattice; `engine.tree_verify`), and commits the accepted path
 exactly as above.
 
+With `ngram` set, each round can also verify an n-gram branch (the continuation of the
+sequence's last tokens where they stood before, `engine.ngram`), merged into the same tree
+(`token_tree.hybrid_tree`); without a draft that branch alone is the proposal (the n-gram mode).
+With `adaptive`, each round's shape (plain step, n-gram only, draft, or both) is the one with
+the most expected tokens per second under measured costs (`engine.round_planner`).
+
 The acceptance result is read to the host once per round (the only sync of a step): it decides
 stop strings, token budgets and the per-sequence bookkeeping. Plain decoding (`generate_ar`) is
 the same machinery with one token per step, and is the baseline speculative output must equal.
@@ -37,7 +43,20 @@ from dspine_train.engine.acceptance import (
 )
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.errors import CheckpointError, GenerationInputError
+from dspine_train.engine.ngram import NgramConfig, NgramIndex, pack_proposals
 from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
+from dspine_train.engine.request_checks import (
+    check_prompts_fit,
+    check_sampling,
+    check_warmup,
+    tree_budget,
+)
+from dspine_train.engine.round_planner import (
+    RoundCosts,
+    RoundPlanner,
+    RoundShape,
+    common_prefix,
+)
 from dspine_train.engine.sampling import next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
 from dspine_train.engine.target_files import eos_token_ids, load_tokenizer
@@ -83,6 +102,11 @@ class Engine:
     `engine.tree_verify`; lossless when greedy and when sampling): the top-M paths through the
     draft's K x K lattice, merged into at most `tree_nodes` N nodes (default M x g).
     `configure_tree` changes them later.
+
+    `ngram` (an `NgramConfig`) adds an n-gram branch to every round's tree (hybrid rounds), or,
+    without a draft, makes `generate` the n-gram mode. `adaptive=True` lets each round verify
+    the shape with the most expected tokens per second instead (`engine.round_planner`; its
+    costs are measured by `calibrate`, which `warmup` runs); the output is the same either way.
     """
 
     def __init__(
@@ -102,6 +126,8 @@ class Engine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tree_paths: int = 1,
         tree_nodes: int | None = None,
+        ngram: NgramConfig | None = None,
+        adaptive: bool = False,
     ) -> None:
         if kv_bucket_size < 1:
             raise GenerationInputError(f"kv_bucket_size must be >= 1, got {kv_bucket_size}")
@@ -161,6 +187,8 @@ class Engine:
         self._commit_step = StepCache(self._commit, "commit", state=self._commit_state, **steps)
         self._tree = TreeVerifier(target, draft, lambda: self.draft_cache, steps)
         self.configure_tree(tree_paths, tree_nodes)
+        self.ngram, self.adaptive = ngram, bool(adaptive)
+        self._costs: dict[tuple[int, int], RoundCosts] = {}  # (batch, g) -> measured costs
         # Per-round bookkeeping lives on the device, updated in place: the rows running at the
         # start of the round (`_active`) and those still running after it (`_running`).
         self._active = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
@@ -225,14 +253,12 @@ class Engine:
         `num_draft_tokens` (g) is how many of the block's `block_size - 1` proposals the target
         verifies per round; fewer can be faster where verifying is compute-bound (CPU).
         """
-        if self.draft is None:
-            raise GenerationInputError("this engine has no draft; use generate_ar")
-        g = self.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
-        if not 1 <= g <= self.block_size - 1:
+        if self.draft is None and self.ngram is None:
             raise GenerationInputError(
-                f"num_draft_tokens={g} must be in 1..{self.block_size - 1} (block_size - 1)"
-            )
-        return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, g, seed)
+                "this engine has neither a draft nor n-gram candidates (CLI: --ngram); use "
+                "generate_ar")
+        g = self._num_draft_tokens(num_draft_tokens)
+        return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, g, seed, True)
 
     def generate_ar(
         self,
@@ -246,7 +272,18 @@ class Engine:
         seed: int = 0,
     ) -> GenerationResult:
         """Plain autoregressive decoding with the same target and caches (the baseline)."""
-        return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed)
+        return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed, False)
+
+    def _num_draft_tokens(self, num_draft_tokens: int | None) -> int:
+        """g: the draft tokens verified per round (0 without a draft)."""
+        if self.draft is None:
+            return 0
+        g = self.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
+        if not 1 <= g <= self.block_size - 1:
+            raise GenerationInputError(
+                f"num_draft_tokens={g} must be in 1..{self.block_size - 1} (block_size - 1)"
+            )
+        return g
 
     def configure_tree(self, paths: int = 1, nodes: int | None = None) -> None:
         """Verify trees of the top-`paths` lattice paths in at most `nodes` nodes per round
@@ -263,36 +300,35 @@ class Engine:
                 "tree_paths > 1 (CLI: --tree-paths); the chain verifies num_draft_tokens nodes")
         self.tree_paths, self.tree_nodes = int(paths), nodes
 
-    def _tree_budget(self, num_draft: int) -> int | None:
+    def _tree_budget(self, num_draft_tokens: int) -> int | None:
         """Nodes verified per round by a tree round, or None where the round is a chain."""
-        if self.tree_paths == 1 or num_draft == 0:
+        if self.draft is None:
             return None
-        # The lattice holds K candidates per slot: K^g distinct paths of g tokens, and at most
-        # min(M, K^d) distinct nodes at depth d among M paths; beyond that a tree only repeats
-        # paths or pads (every extra node is verified for nothing).
-        k = int(self.draft.config.candidate_k)
-        width = getattr(self.draft.config, "draft_vocab_size", None) or self.draft.config.vocab_size
-        k = min(k, int(width))
-        paths_held = k**num_draft
-        if self.tree_paths > paths_held:
-            raise GenerationInputError(
-                f"tree_paths={self.tree_paths} (CLI: --tree-paths) exceeds the {paths_held} "
-                f"paths the draft's lattice holds ({k}^{num_draft}: candidate_k={k} per slot, "
-                f"num_draft_tokens={num_draft})")
-        nodes_held = sum(min(self.tree_paths, k**d) for d in range(1, num_draft + 1))
-        if self.tree_nodes is None:
-            return self.tree_paths * num_draft
-        if self.tree_nodes < num_draft:
-            raise GenerationInputError(
-                f"tree_nodes={self.tree_nodes} must be >= num_draft_tokens={num_draft} "
-                "(the chain fits)"
-            )
-        if self.tree_nodes > nodes_held:
-            raise GenerationInputError(
-                f"tree_nodes={self.tree_nodes} (CLI: --tree-nodes) exceeds the {nodes_held} "
-                f"distinct nodes {self.tree_paths} paths of {num_draft} tokens can have in the "
-                f"draft's lattice (candidate_k={k} per slot)")
-        return self.tree_nodes
+        config = self.draft.config
+        width = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        k = min(int(config.candidate_k), int(width))
+        return tree_budget(self.tree_paths, self.tree_nodes, k, num_draft_tokens)
+
+    def round_shapes(self, num_draft_tokens: int) -> list[RoundShape]:
+        """The shapes a round may take with g = `num_draft_tokens`, the widest (the one a
+        non-adaptive engine always verifies) last: a plain step, the n-gram branch alone, the
+        draft's chain or tree, and the draft with the n-gram branch merged in."""
+        width = self.ngram.num_tokens if self.ngram is not None else 0
+        shapes = [RoundShape("plain", 0)]
+        if self.ngram is not None:
+            shapes.append(RoundShape("ngram", width, 0, ngram=True))
+        if self.draft is not None and num_draft_tokens > 0:
+            nodes = self._tree_budget(num_draft_tokens)
+            draft_nodes = nodes or num_draft_tokens
+            name = "chain" if nodes is None else "tree"
+            shapes.append(RoundShape(name, draft_nodes, num_draft_tokens))
+            if self.ngram is not None:
+                shapes.append(RoundShape("hybrid", draft_nodes + width, num_draft_tokens, True))
+        return shapes
+
+    def _depth(self, shape: RoundShape) -> int:
+        """Drafted tokens on the longest path of a `shape` round."""
+        return max(shape.draft_depth, self.ngram.num_tokens if shape.ngram else 0)
 
     def kv_buckets(self) -> list[int]:
         """Every kv length a verify step can attend over: multiples of `kv_bucket_size` below
@@ -316,14 +352,16 @@ class Engine:
         the arguments and runs each step once eagerly at the smallest bucket. Returns the number
         of captured graphs and the seconds it took. The greedy steps always; with `temperature`
         > 0 the sampling draft and (trees) the sampling verify step at `top_p` too (one capture
-        serves every temperature; the tree's serves one `top_p`). With `tree_paths` > 1 the
-        tree draft and verify steps of the current budget are captured too.
+        serves every temperature; the tree's serves one `top_p`). With `tree_paths` > 1 or
+        `ngram`, the tree (and hybrid) draft and verify steps of every round shape are captured
+        too, and with `adaptive` the round costs are measured (`calibrate`).
         """
-        sizes, gs, buckets = self._check_warmup(batch_sizes, num_draft_tokens, kv_buckets)
-        if temperature < 0 or not 0.0 < top_p <= 1.0:
-            raise GenerationInputError(
-                f"warmup temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}"
-            )
+        sizes, gs, buckets = check_warmup(
+            batch_sizes, num_draft_tokens, kv_buckets, max_batch_size=self.max_batch_size,
+            block_size=self.block_size, has_draft=self.draft is not None,
+            valid_buckets=self.kv_buckets(), kv_bucket_size=self.kv_bucket_size,
+            max_seq_len=self.max_seq_len)
+        check_sampling(temperature, top_p, "warmup ")
         sampling = temperature > 0.0
         if not self._target_step.enabled:
             buckets = buckets[:1]  # nothing to capture: one eager pass per shape validates it
@@ -360,15 +398,24 @@ class Engine:
                             step.prepare(*inputs, kv_len=kv)
                             if not step.enabled:
                                 step(*inputs, kv_len=kv)
-                if self.draft is not None and self.tree_paths > 1:
-                    for g in (g for g in gs if g > 0):
-                        nodes = self._tree_budget(g)
-                        fits = [b for b in buckets if b >= nodes + 1] or [self.max_seq_len]
-                        budget = dict(paths=self.tree_paths, nodes=nodes, depth=g)
+                for g in gs:
+                    for shape in self.round_shapes(g):
+                        if not self._is_tree_round(shape):
+                            continue
+                        fits = [b for b in buckets if b >= shape.nodes + 1] or [self.max_seq_len]
+                        budget = dict(
+                            paths=self.tree_paths, nodes=shape.nodes, depth=shape.draft_depth
+                        )
+                        width = self.ngram.num_tokens if shape.ngram else 0
                         self._tree.warmup(
-                            batch, budget, self._draft_buckets(buckets), fits, temperature, top_p
+                            batch, budget, self._draft_buckets(buckets), fits, temperature,
+                            top_p, ngram_width=width,
                         )
             self.target.cache.reset(self.max_batch_size)
+        if self.adaptive:
+            for batch in sizes:
+                for g in gs if self.draft is None else [g for g in gs if g > 0]:
+                    self.calibrate(batch, g)
         captured = sum(s.num_captured for s in self._steps())
         return {"graphs": captured, "capture_s": self._capture_seconds() - before}
 
@@ -381,22 +428,30 @@ class Engine:
         top_p: float,
         chat: bool,
         stop: Sequence[str],
-        num_draft: int,
+        num_draft_tokens: int,
         seed: int,
+        speculative: bool,
     ) -> GenerationResult:
         ids = encode_prompts(
             prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size,
             chat_template_kwargs=self.chat_template_kwargs,
         )
-        self._check_request(ids, max_new_tokens, temperature, top_p, stop, num_draft)
-        speculative = num_draft > 0
+        shapes = self.round_shapes(num_draft_tokens) if speculative else []
+        self._check_request(ids, max_new_tokens, temperature, top_p, stop, shapes)
+        with_draft = self.draft is not None and speculative
         stats = GenerationStats(mode="speculative" if speculative else "autoregressive")
         stats.num_sequences, stats.prompt_tokens = len(ids), sum(len(p) for p in ids)
-        stats.accepted_at = [0] * num_draft
+        stats.accepted_at = [0] * max((self._depth(s) for s in shapes), default=0)
         stats.round_accepted = [[] for _ in ids]
-        tree_nodes = self._tree_budget(num_draft)
+        tree_nodes = self._tree_budget(num_draft_tokens) if with_draft else None
         if tree_nodes is not None:
             stats.tree_paths, stats.tree_nodes = self.tree_paths, tree_nodes
+        planner = None
+        if shapes:
+            costs = None
+            if self.adaptive and len(shapes) > 1:  # measured once per (batch, g), untimed
+                costs = self.calibrate(len(ids), num_draft_tokens)
+            planner = RoundPlanner(shapes, costs, self.adaptive)
         sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
         timer = StepTimer(self.device)
         states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
@@ -405,7 +460,7 @@ class Engine:
 
         with torch.inference_mode():
             with timer.section("prefill"):
-                anchors = self._prefill(ids, sampler, with_draft=speculative)
+                anchors = self._prefill(ids, sampler, with_draft=with_draft)
             first = anchors.tolist()  # deliberate sync: the first token decides EOS/stop/budget
             running = self._running[: len(ids)]
             running.fill_(True)
@@ -415,22 +470,39 @@ class Engine:
                     running[b] = False  # a scalar fill: no host-to-device copy
             self._active[: len(ids)].copy_(running)
             committed = [len(p) for p in ids]  # host mirror of the target cache lengths
+            indexes = None
+            if self.ngram is not None and speculative:
+                indexes = [NgramIndex(self.ngram, p + s.tokens) for p, s in zip(ids, states)]
 
             while not all(s.done for s in states):
-                longest = max(n for s, n in zip(states, committed) if not s.done)
-                if tree_nodes is None:
-                    acc, features = self._round(anchors, longest, num_draft, sampler, timer)
-                else:
-                    acc, features = self._tree_round(
-                        anchors, longest, num_draft, tree_nodes, sampler, timer
-                    )
-                for b in self._record(acc, states, committed, stats):
+                live = [b for b, s in enumerate(states) if not s.done]
+                longest = max(committed[b] for b in live)
+                proposals = None
+                if indexes is not None:
+                    found = time.perf_counter()
+                    proposals = [([], 0) if states[b].done else index.propose()
+                                 for b, index in enumerate(indexes)]
+                    stats.ngram_s += time.perf_counter() - found
+                shape = RoundShape("plain", 0)
+                if planner is not None:
+                    shape = planner.choose([proposals[b][1] if proposals else 0 for b in live])
+                acc, features, drafted = self._round_of(
+                    shape, anchors, longest, proposals, sampler, timer
+                )
+                rows = self._read_acceptance(acc, drafted)
+                for b in self._record(rows, acc.tokens.shape[1], states, committed, stats):
                     running[b] = False
+                if planner is not None and planner.adaptive:
+                    self._learn(planner, rows, acc.tokens.shape[1], live, proposals, drafted)
+                if indexes is not None:
+                    for b in live:
+                        seen = len(indexes[b].tokens) - len(ids[b])
+                        indexes[b].extend(states[b].tokens[seen:])
                 stats.steps += 1
                 # Commit on the device: the anchor and the accepted drafts now have valid target
                 # K/V and features; the rejected tail is dropped by not counting it. Rows that
                 # are done go back to length 0 so their idle writes stay inside the caches.
-                commit_inputs = (acc.num_accepted, features) if speculative else (acc.num_accepted,)
+                commit_inputs = (acc.num_accepted, features) if with_draft else (acc.num_accepted,)
                 self._commit_step.prepare(*commit_inputs)
                 self._commit_step(*commit_inputs)
                 anchors = acc.tokens.gather(1, acc.num_accepted[:, None]).squeeze(1)
@@ -442,6 +514,8 @@ class Engine:
         stats.draft_s = times.get("draft", 0.0)
         stats.verify_s = times.get("verify", 0.0)
         stats.new_tokens = sum(len(s.tokens) for s in states)
+        if planner is not None:
+            stats.round_shapes = dict(planner.chosen)
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(s.tokens, skip_special_tokens=True) for s in states]
@@ -459,7 +533,7 @@ class Engine:
         temperature: float,
         top_p: float,
         stop: Sequence[str],
-        num_draft: int,
+        shapes: Sequence[RoundShape],
     ) -> None:
         """Reject a request the caches or settings cannot serve, before any forward."""
         if len(ids) > self.max_batch_size:
@@ -468,86 +542,37 @@ class Engine:
             )
         if max_new_tokens < 1:
             raise GenerationInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0.0 < top_p <= 1.0:
-            raise GenerationInputError(
-                f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}"
-            )
+        check_sampling(temperature, top_p)
         if stop and self.tokenizer is None:
             raise GenerationInputError("stop strings need a tokenizer")
         if any(not s for s in stop):  # "" is in every text: each answer would stop at once
             raise GenerationInputError(
                 "an empty stop string (CLI: --stop '') would end every answer after its first "
                 "token; give a non-empty string")
-        # Room for the prompt, every new token, and the widest verify written past them.
-        tree = self._tree_budget(num_draft)
-        width = tree or num_draft
-        longest = max(len(p) for p in ids)
-        needed = longest + max_new_tokens + width + 1
-        if needed <= self.max_seq_len:
-            return
-        positions = self.target.config.max_position_embeddings
-        room = self.max_seq_len - longest - max_new_tokens - 1  # left for the verified nodes
-        if tree is not None and room >= num_draft:  # the chain would fit: the tree does not
-            raise GenerationInputError(
-                f"a token tree of {tree} nodes (tree_paths={self.tree_paths}, tree_nodes="
-                f"{self.tree_nodes}; CLI: --tree-paths / --tree-nodes) does not fit the cache: "
-                f"at most {room} nodes fit beside the longest prompt ({longest} tokens) and "
-                f"max_new_tokens ({max_new_tokens}) in max_seq_len={self.max_seq_len}")
-        bound = (f"the target's max_position_embeddings={positions}"
-                 if self.max_seq_len >= positions else
-                 f"max_seq_len={self.max_seq_len} (CLI: --max-seq-len, at most the target's "
-                 f"max_position_embeddings={positions})")
-        raise GenerationInputError(
-            f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + one "
-            f"verified block ({width + 1}) needs {needed} cache positions, beyond {bound}")
-
-    def _check_warmup(
-        self,
-        batch_sizes: Sequence[int],
-        num_draft_tokens: Sequence[int] | int | None,
-        kv_buckets: Sequence[int] | None,
-    ) -> tuple[list[int], list[int], list[int]]:
-        sizes = sorted({int(b) for b in batch_sizes})
-        if not sizes or not all(1 <= b <= self.max_batch_size for b in sizes):
-            raise GenerationInputError(
-                f"warmup batch_sizes={list(batch_sizes)} must be non-empty, each in "
-                f"1..max_batch_size={self.max_batch_size}"
-            )
-        if num_draft_tokens is None:
-            gs = [0] if self.draft is None else [0, self.block_size - 1]
-        elif isinstance(num_draft_tokens, int):
-            gs = [num_draft_tokens]
-        else:
-            gs = sorted({int(g) for g in num_draft_tokens})
-        top = self.block_size - 1 if self.draft is not None else 0
-        if not gs or not all(0 <= g <= top for g in gs):
-            raise GenerationInputError(
-                f"warmup num_draft_tokens={gs} must each be in 0..{top} "
-                f"({'block_size - 1' if self.draft is not None else 'no draft: plain decoding'})"
-            )
-        valid = self.kv_buckets()
-        buckets = valid if kv_buckets is None else sorted({int(b) for b in kv_buckets})
-        bad = [b for b in buckets if b not in valid]
-        if not buckets or bad:
-            raise GenerationInputError(
-                f"warmup kv_buckets {bad or '[]'} are not kv buckets of this engine (multiples "
-                f"of kv_bucket_size={self.kv_bucket_size} below max_seq_len={self.max_seq_len}, "
-                f"or max_seq_len itself)"
-            )
-        return sizes, gs, buckets
+        widest = max(shapes, key=lambda s: s.nodes, default=RoundShape("plain", 0))
+        chain = max((s.draft_depth for s in shapes), default=0)
+        tree = None
+        if widest.name in ("tree", "hybrid", "ngram"):
+            tree = (f"tree_paths={self.tree_paths}, tree_nodes={self.tree_nodes}, ngram "
+                    f"tokens={self.ngram.num_tokens if self.ngram else 0}; CLI: --tree-paths / "
+                    "--tree-nodes / --ngram-tokens")
+        check_prompts_fit(
+            max(len(p) for p in ids), max_new_tokens, widest.nodes, chain, self.max_seq_len,
+            self.target.config.max_position_embeddings, tree,
+        )
 
     def _record(
         self,
-        acc: Acceptance,
+        rows: list[list[int]],
+        width: int,
         states: list[SequenceState],
         committed: list[int],
         stats: GenerationStats,
     ) -> list[int]:
-        """Read one round's acceptance to the host, commit it to the running sequences, and
-        return the rows that finished in this round."""
-        width = acc.tokens.shape[1]
+        """Commit one round's host-read acceptance `rows` (see `_read_acceptance`; `width`
+        tokens each) to the running sequences, and return the rows that finished in it."""
         finished = []
-        for b, row in enumerate(self._read_acceptance(acc)):
+        for b, row in enumerate(rows):
             if states[b].done:
                 continue
             num_acc, keep, eos = row[width], row[width + 1], bool(row[width + 2])
@@ -566,13 +591,35 @@ class Engine:
                 finished.append(b)
         return finished
 
-    def _read_acceptance(self, acc: Acceptance) -> list[list[int]]:
-        """The round's single host read: tokens, accepted count, kept count, EOS flag per row."""
+    @staticmethod
+    def _learn(
+        planner: RoundPlanner,
+        rows: list[list[int]],
+        width: int,
+        live: list[int],
+        proposals: list[tuple[list[int], int]] | None,
+        drafted: torch.Tensor | None,
+    ) -> None:
+        """Tell the planner how far each live sequence's n-gram proposal and (when it ran) the
+        draft's chain matched the tokens the target chose this round."""
+        for b in live:
+            row = rows[b]
+            chosen = row[: row[width] + 1]  # the accepted drafts and the bonus
+            if proposals is not None and proposals[b][1] > 0:
+                planner.record_ngram(proposals[b][1], common_prefix(proposals[b][0], chosen))
+            if drafted is not None:
+                planner.record_draft(common_prefix(row[width + 3 :], chosen))
+
+    def _read_acceptance(
+        self, acc: Acceptance, drafted: torch.Tensor | None = None
+    ) -> list[list[int]]:
+        """The round's single host read, one row per sequence: the tokens, accepted count, kept
+        count and EOS flag, then the draft's chain tokens `drafted (B, g)` when given."""
         counts, hit_eos = clip_at_eos(acc.tokens, acc.num_accepted + 1, self._eos)
-        packed = torch.cat(
-            [acc.tokens, acc.num_accepted[:, None], counts[:, None], hit_eos[:, None].long()],
-            dim=1,
-        )
+        parts = [acc.tokens, acc.num_accepted[:, None], counts[:, None], hit_eos[:, None].long()]
+        if drafted is not None:
+            parts.append(drafted)
+        packed = torch.cat(parts, dim=1)
         if self._read_done is None:
             return packed.tolist()
         host = self._host_buffers.get(tuple(packed.shape))
@@ -603,36 +650,71 @@ class Engine:
             self.draft.append_context(self.draft_cache, out.features, lengths)
         return first
 
+    def _is_tree_round(self, shape: RoundShape) -> bool:
+        """Whether a `shape` round verifies a token tree (else a chain block)."""
+        return shape.ngram or shape.name == "tree"
+
+    def _round_of(
+        self,
+        shape: RoundShape,
+        anchors: torch.Tensor,
+        longest: int,
+        proposals: list[tuple[list[int], int]] | None,
+        sampler: _Sampler,
+        timer: StepTimer,
+    ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
+        """One round of `shape`: the `Acceptance`, the accepted tokens' features (None
+        without a draft) and the draft's chain tokens `(B, g)` (None where it did not run)."""
+        if not self._is_tree_round(shape):
+            return self._round(anchors, longest, shape.draft_depth, sampler, timer)
+        ngram = None
+        if shape.ngram:
+            assert proposals is not None and self.ngram is not None
+            ngram = pack_proposals([p for p, _ in proposals], self.ngram.num_tokens, self.device)
+        budget = dict(paths=self.tree_paths, nodes=shape.nodes, depth=shape.draft_depth)
+        acc, features, tree_tokens = self._tree.run_round(
+            anchors,
+            budget,
+            self._bucket(longest + self.block_size, self._draft_capacity()),
+            self._bucket(longest + shape.nodes + 1, self.max_seq_len),
+            (sampler.temperature, sampler.top_p, sampler.generator, sampler.scale),
+            timer,
+            ngram,
+        )
+        drafted = tree_tokens[:, 1 : shape.draft_depth + 1] if shape.drafts else None
+        return acc, features, drafted
+
     def _round(
         self,
         anchors: torch.Tensor,
         longest: int,
-        num_draft: int,
+        num_draft_tokens: int,
         sampler: _Sampler,
         timer: StepTimer,
-    ) -> tuple[Acceptance, torch.Tensor | None]:
-        """Draft (if speculative), verify `[anchor, d_1..d_g]`, accept. Plain decoding is g = 0.
+    ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
+        """Draft (if g > 0), verify `[anchor, d_1..d_g]`, accept. Plain decoding is g = 0.
 
         `longest` is the longest committed length of the rows still running (the others sit at
-        length 0); it picks the kv buckets of both steps.
+        length 0); it picks the kv buckets of both steps. Returns as `_round_of`.
         """
         draft_tokens = anchors[:, None][:, :0]  # (B, 0)
         draft_q = candidates = None
-        if num_draft > 0:
+        if num_draft_tokens > 0:
             draft_kv = self._bucket(longest + self.block_size, self._draft_capacity())
             step, inputs = self._draft_inputs(anchors, sampler)
             step.prepare(*inputs, kv_len=draft_kv)  # capture outside the timing
             with timer.section("draft"):
                 draft_tokens, draft_q, candidates = self._propose(
-                    step, inputs, num_draft, draft_kv
+                    step, inputs, num_draft_tokens, draft_kv
                 )
         block = torch.cat([anchors[:, None], draft_tokens], dim=1)  # (B, g + 1)
         kv_len = self._bucket(longest + block.shape[1], self.max_seq_len)
         self._target_step.prepare(block, kv_len=kv_len)
         with timer.section("verify"):
             features, logits = self._target_step(block, kv_len=kv_len)
+        drafted = draft_tokens if num_draft_tokens > 0 else None
         if sampler.temperature <= 0.0:
-            return greedy_accept(draft_tokens, logits), features
+            return greedy_accept(draft_tokens, logits), features, drafted
         probs = target_probs(logits, sampler.temperature, sampler.top_p)
         if draft_q is None:
             # Plain sampling is rejection sampling with nothing drafted: the bonus is a draw from p.
@@ -641,27 +723,45 @@ class Engine:
         accept = rejection_accept(
             draft_tokens, draft_q, probs, sampler.generator, candidates=candidates
         )
-        return accept, features
+        return accept, features, drafted
 
-    def _tree_round(
-        self,
-        anchors: torch.Tensor,
-        longest: int,
-        depth: int,
-        nodes: int,
-        sampler: _Sampler,
-        timer: StepTimer,
-    ) -> tuple[Acceptance, torch.Tensor | None]:
-        """A round over a token tree (`tree_verify`); it records and commits as a chain round
-        of g = `depth` (the accepted nodes' K/V and features are moved into order)."""
-        return self._tree.run_round(
-            anchors,
-            dict(paths=self.tree_paths, nodes=nodes, depth=depth),
-            self._bucket(longest + self.block_size, self._draft_capacity()),
-            self._bucket(longest + nodes + 1, self.max_seq_len),
-            (sampler.temperature, sampler.top_p, sampler.generator, sampler.scale),
-            timer,
-        )
+    def calibrate(self, batch: int, num_draft_tokens: int, repeats: int = 3) -> RoundCosts:
+        """Measure the seconds of one round of each shape (`round_shapes`) for `batch`
+        sequences: the median of `repeats` greedy rounds on an empty context, after one
+        untimed run (which compiles and captures on CUDA). Cached per (batch, g); what the
+        rounds write lies past the committed lengths, where nothing reads it."""
+        key = (batch, num_draft_tokens)
+        if key in self._costs:
+            return self._costs[key]
+        shapes = self.round_shapes(num_draft_tokens)
+        width = self.ngram.num_tokens if self.ngram is not None else 0
+        proposals = [(list(range(1, width + 1)), 1)] * batch
+        sampler = _Sampler(0.0, 1.0, torch.Generator(self.device).manual_seed(0))
+        timer = StepTimer(self.device)  # the rounds' own sections; discarded
+        seconds: dict[str, float] = {}
+        with torch.inference_mode():
+            self.target.cache.reset(batch)
+            if self.draft is not None:
+                self.draft_cache = self._draft_cache_for(batch)
+                self.draft.crop_context(self.draft_cache, self.target.cache.lengths[:batch])
+            anchors = torch.zeros(batch, dtype=torch.long, device=self.device)
+            for shape in shapes:
+                samples = []
+                for _ in range(repeats + 1):
+                    self._synchronize()
+                    start = time.perf_counter()
+                    self._round_of(shape, anchors, 1, proposals, sampler, timer)
+                    self._synchronize()
+                    samples.append(time.perf_counter() - start)
+                seconds[shape.name] = sorted(samples[1:])[len(samples[1:]) // 2]
+            self.target.cache.reset(self.max_batch_size)
+        self._costs[key] = RoundCosts(seconds, batch)
+        return self._costs[key]
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
 
     def _draft_inputs(
         self, anchors: torch.Tensor, sampler: _Sampler

@@ -47,6 +47,10 @@ class GenerationStats:
     # 1 and 0 for a chain (including the sampling fallback of a tree engine).
     tree_paths: int = 1
     tree_nodes: int = 0
+    # Rounds per shape ("plain", "ngram", "chain", "tree", "hybrid"; see `engine.round_planner`)
+    # and the host seconds spent finding n-gram candidates (inside total_s).
+    round_shapes: dict[str, int] = field(default_factory=dict)
+    ngram_s: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -90,7 +94,8 @@ class GenerationStats:
 
 def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
     """Counters and times of several calls added up (rates are then recomputed from them)."""
-    total = GenerationStats(mode=parts[0].mode, accepted_at=[0] * len(parts[0].accepted_at))
+    width = max(len(part.accepted_at) for part in parts)
+    total = GenerationStats(mode=parts[0].mode, accepted_at=[0] * width)
     for part in parts:
         for name in (
             "num_sequences",
@@ -103,9 +108,13 @@ def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
             "draft_s",
             "verify_s",
             "total_s",
+            "ngram_s",
         ):
             setattr(total, name, getattr(total, name) + getattr(part, name))
-        total.accepted_at = [a + b for a, b in zip(total.accepted_at, part.accepted_at)]
+        for i, count in enumerate(part.accepted_at):
+            total.accepted_at[i] += count
+        for shape, count in part.round_shapes.items():
+            total.round_shapes[shape] = total.round_shapes.get(shape, 0) + count
         total.round_accepted += [list(rounds) for rounds in part.round_accepted]
     total.tree_paths, total.tree_nodes = parts[0].tree_paths, parts[0].tree_nodes
     return total

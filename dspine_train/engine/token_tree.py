@@ -113,16 +113,28 @@ def top_paths(table: torch.Tensor, num_paths: int, depth: int) -> torch.Tensor:
     return torch.cat([chain[:, None], others], dim=1)
 
 
-def build_tree(anchors: torch.Tensor, path_tokens: torch.Tensor, num_nodes: int) -> TokenTree:
-    """Merge `path_tokens (B, M, D)` (path 0 first) under `anchors (B,)` into <= N nodes."""
+def build_tree(
+    anchors: torch.Tensor,
+    path_tokens: torch.Tensor,
+    num_nodes: int,
+    path_valid: torch.Tensor | None = None,
+) -> TokenTree:
+    """Merge `path_tokens (B, M, D)` (path 0 first) under `anchors (B,)` into <= N nodes.
+
+    `path_valid (B, M, D)` marks the tokens each path really holds (a path shorter than D, or
+    none at all); a path ends at its first invalid token. None: every token is valid."""
     batch, num_paths, depth = path_tokens.shape
     device = path_tokens.device
-    # same[b, m, n, d]: paths m and n share their first d + 1 tokens.
+    if path_valid is None:
+        path_valid = torch.ones_like(path_tokens, dtype=torch.bool)
+    path_valid = path_valid.long().cumprod(dim=-1).bool()  # a path ends at its first gap
+    # same[b, m, n, d]: paths m and n share their first d + 1 tokens, all of them valid.
     eq = path_tokens[:, :, None, :] == path_tokens[:, None, :, :]
+    eq = eq & path_valid[:, :, None, :] & path_valid[:, None, :, :]
     same = eq.long().cumprod(dim=-1).bool()  # (B, M, M, D)
     owner = same.int().argmax(dim=2)  # (B, M, D): the first path holding this prefix
     own = torch.arange(num_paths, device=device)[None, :, None]
-    is_new = owner == own  # (B, M, D): this (path, depth) opens a node
+    is_new = (owner == own) & path_valid  # (B, M, D): this (path, depth) opens a node
     # Path-major order: the running count of new nodes is each new node's rank.
     rank = is_new.reshape(batch, -1).long().cumsum(-1).reshape(batch, num_paths, depth) - 1
     kept = is_new & (rank < num_nodes)
@@ -173,9 +185,57 @@ def propose_tree(
     kv_len: int | None = None,
 ) -> TokenTree:
     """One draft forward per sequence, then the tree of its top-`num_paths` lattice paths."""
+    tokens = lattice_paths(draft, cache, anchors, num_paths, depth, kv_len)
+    return build_tree(anchors, tokens, num_nodes)
+
+
+def lattice_paths(
+    draft: torch.nn.Module,
+    cache: object,
+    anchors: torch.Tensor,
+    num_paths: int,
+    depth: int,
+    kv_len: int | None = None,
+) -> torch.Tensor:
+    """Token ids `(B, M, depth)` of the top-`num_paths` lattice paths (path 0 the chain)."""
     slot_logits, pre, recv = draft.draft_forward(cache, anchors, kv_len)
     table, cand = lattice(draft, slot_logits, pre, recv, anchors)
     paths = top_paths(table, num_paths, depth)  # (B, M, D) candidate indices
     cand = cand[:, :depth]  # (B, D, K)
-    tokens = cand[:, None].expand(-1, num_paths, -1, -1).gather(-1, paths[..., None]).squeeze(-1)
-    return build_tree(anchors, tokens, num_nodes)
+    return cand[:, None].expand(-1, num_paths, -1, -1).gather(-1, paths[..., None]).squeeze(-1)
+
+
+def hybrid_tree(
+    anchors: torch.Tensor,
+    draft_paths: torch.Tensor | None,
+    ngram_tokens: torch.Tensor,
+    ngram_lengths: torch.Tensor,
+    num_nodes: int,
+) -> TokenTree:
+    """One tree of the draft's lattice paths `(B, M, g)` (None: no draft) and each sequence's
+    n-gram continuation `ngram_tokens (B, L)` of `ngram_lengths (B,)` tokens (0: no match).
+
+    Path order, which decides what a node budget keeps: the draft's chain, then the n-gram
+    branch, then the draft's other paths. Shared prefixes merge into one node, so an n-gram
+    branch that agrees with the chain adds only the nodes past the agreement. The tree's depth
+    is max(g, L)."""
+    batch, width = ngram_tokens.shape
+    device = ngram_tokens.device
+    steps = torch.arange(width, device=device)
+    ngram_valid = (steps[None, :] < ngram_lengths[:, None])[:, None]  # (B, 1, L)
+    ngram = ngram_tokens[:, None]
+    if draft_paths is None:
+        return build_tree(anchors, ngram, num_nodes, ngram_valid)
+    depth = max(width, draft_paths.shape[-1])
+    tokens = [_pad(draft_paths[:, :1], depth), _pad(ngram, depth), _pad(draft_paths[:, 1:], depth)]
+    valid = [
+        _pad(torch.ones_like(draft_paths[:, :1], dtype=torch.bool), depth),
+        _pad(ngram_valid, depth),
+        _pad(torch.ones_like(draft_paths[:, 1:], dtype=torch.bool), depth),
+    ]
+    return build_tree(anchors, torch.cat(tokens, dim=1), num_nodes, torch.cat(valid, dim=1))
+
+
+def _pad(paths: torch.Tensor, depth: int) -> torch.Tensor:
+    """`paths (B, M, d)` padded with zeros (False) to `(B, M, depth)`."""
+    return torch.nn.functional.pad(paths, (0, depth - paths.shape[-1]))

@@ -37,7 +37,7 @@ from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.kv_cache import StaticKVCache
 from dspine_train.engine.sampling import tempered_probs
 from dspine_train.engine.stats import StepTimer
-from dspine_train.engine.token_tree import TokenTree, propose_tree
+from dspine_train.engine.token_tree import TokenTree, hybrid_tree, lattice_paths, propose_tree
 from dspine_train.modeling.exponential_race import exponential_noise, race
 
 
@@ -161,18 +161,39 @@ class TreeVerifier:
         self.draft = draft
         self.draft_cache = draft_cache
         self.draft_steps = StepCache(self.draft_step, "tree draft", **step_options)
+        self.hybrid_steps = StepCache(self.hybrid_step, "hybrid draft", **step_options)
         self.verify_steps = StepCache(self.verify_step, "tree verify", **step_options)
 
     @property
-    def steps(self) -> tuple[StepCache, StepCache]:
-        """The two step caches (for capture counts and times)."""
-        return self.draft_steps, self.verify_steps
+    def steps(self) -> tuple[StepCache, ...]:
+        """The step caches (for capture counts and times)."""
+        return self.draft_steps, self.hybrid_steps, self.verify_steps
 
     def draft_step(
         self, anchors: torch.Tensor, kv_len: int, paths: int, nodes: int, depth: int
     ) -> tuple[torch.Tensor, ...]:
         """The tree of each anchor as `TokenTree`'s fields, in order."""
         tree = propose_tree(self.draft, self.draft_cache(), anchors, paths, nodes, depth, kv_len)
+        return tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestors
+
+    def hybrid_step(
+        self,
+        anchors: torch.Tensor,
+        ngram_tokens: torch.Tensor,
+        ngram_lengths: torch.Tensor,
+        kv_len: int,
+        paths: int,
+        nodes: int,
+        depth: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """The tree of the draft's top-`paths` lattice paths of `depth` tokens (`depth` 0: no
+        draft forward) merged with each anchor's n-gram continuation (`hybrid_tree`)."""
+        draft_paths = None
+        if depth > 0:
+            draft_paths = lattice_paths(
+                self.draft, self.draft_cache(), anchors, paths, depth, kv_len
+            )
+        tree = hybrid_tree(anchors, draft_paths, ngram_tokens, ngram_lengths, nodes)
         return tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestors
 
     def verify_step(
@@ -218,19 +239,27 @@ class TreeVerifier:
         verify_kv: int,
         sampling: tuple[float, float, torch.Generator | None, torch.Tensor | None],
         timer: StepTimer,
-    ) -> tuple[Acceptance, torch.Tensor | None]:
-        """Draft the trees, verify and accept them in one step: the `Acceptance` and the
-        accepted path's features in order (root first), ready for the engine's commit.
+        ngram: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor]:
+        """Draft the trees, verify and accept them in one step: the `Acceptance`, the
+        accepted path's features in order (root first), ready for the engine's commit, and the
+        tree's tokens `(B, N + 1)` (path-major: nodes 1..g are the draft's chain).
         `sampling` is (temperature, top_p, generator, temperature as a 0-dim tensor);
-        temperature 0 is greedy."""
-        self.draft_steps.prepare(anchors, kv_len=draft_kv, **budget)  # capture outside timing
+        temperature 0 is greedy. `ngram` (tokens `(B, L)`, lengths `(B,)`) adds each anchor's
+        n-gram branch (`hybrid_tree`); `budget["depth"]` 0 then drafts nothing."""
+        step, inputs = self.draft_steps, (anchors,)
+        depth = budget["depth"]
+        if ngram is not None:
+            step, inputs = self.hybrid_steps, (anchors, *ngram)
+            depth = max(depth, ngram[0].shape[1])
+        step.prepare(*inputs, kv_len=draft_kv, **budget)  # capture outside the timing
         with timer.section("draft"):
-            tree = TokenTree(*self.draft_steps(anchors, kv_len=draft_kv, **budget))
-        inputs, static = self.verify_inputs(tree, budget["depth"], verify_kv, *sampling)
+            tree = TokenTree(*step(*inputs, kv_len=draft_kv, **budget))
+        inputs, static = self.verify_inputs(tree, depth, verify_kv, *sampling)
         self.verify_steps.prepare(*inputs, **static)
         with timer.section("verify"):
             num_accepted, tokens, accepted, features = self.verify_steps(*inputs, **static)
-        return Acceptance(num_accepted, tokens, accepted), features
+        return Acceptance(num_accepted, tokens, accepted), features, tree.tokens
 
     def verify_inputs(
         self,
@@ -262,20 +291,28 @@ class TreeVerifier:
         verify_kvs: list[int],
         temperature: float = 0.0,
         top_p: float = 1.0,
+        ngram_width: int = 0,
     ) -> None:
         """Capture both steps at these kv lengths (CUDA), or run each once (CPU); the verify
-        step greedy, and also sampling at `top_p` when `temperature` > 0."""
+        step greedy, and also sampling at `top_p` when `temperature` > 0. `ngram_width` > 0:
+        the hybrid draft step with n-gram branches of that many tokens."""
         anchors = torch.zeros(batch, dtype=torch.long, device=self.target.device)
+        step, inputs, depth = self.draft_steps, (anchors,), budget["depth"]
+        if ngram_width > 0:
+            branch = torch.zeros(batch, ngram_width, dtype=torch.long, device=anchors.device)
+            lengths = torch.full((batch,), ngram_width, dtype=torch.long, device=anchors.device)
+            step, inputs = self.hybrid_steps, (anchors, branch, lengths)
+            depth = max(depth, ngram_width)
         for kv in draft_kvs:
-            self.draft_steps.prepare(anchors, kv_len=kv, **budget)
-        tree = TokenTree(*self.draft_steps(anchors, kv_len=draft_kvs[0], **budget))
+            step.prepare(*inputs, kv_len=kv, **budget)
+        tree = TokenTree(*step(*inputs, kv_len=draft_kvs[0], **budget))
         settings = [(0.0, 1.0)] + ([(temperature, top_p)] if temperature > 0.0 else [])
         generator = torch.Generator(anchors.device).manual_seed(0)  # leave the global RNG be
         for temp, nucleus in settings:
             sampling = (temp, nucleus, generator)
             for kv in verify_kvs:
-                inputs, static = self.verify_inputs(tree, budget["depth"], kv, *sampling)
+                inputs, static = self.verify_inputs(tree, depth, kv, *sampling)
                 self.verify_steps.prepare(*inputs, **static)
             if not self.verify_steps.enabled:
-                inputs, static = self.verify_inputs(tree, budget["depth"], verify_kvs[0], *sampling)
+                inputs, static = self.verify_inputs(tree, depth, verify_kvs[0], *sampling)
                 self.verify_steps(*inputs, **static)

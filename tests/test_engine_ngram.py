@@ -1,0 +1,222 @@
+"""N-gram candidates and hybrid trees (engine.ngram, token_tree.hybrid_tree, round_planner)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _engine_helpers import build_tiny_target, hf_greedy, tiny_draft, train_draft_briefly
+from test_engine_tree import _reference_tree
+
+from dspine_train.engine import Engine
+from dspine_train.engine.errors import GenerationInputError
+from dspine_train.engine.ngram import NgramConfig, NgramIndex, pack_proposals
+from dspine_train.engine.round_planner import RoundCosts, RoundPlanner, RoundShape
+from dspine_train.engine.token_tree import hybrid_tree
+
+NEW = 24
+
+
+def reference_proposal(tokens: list[int], config: NgramConfig) -> tuple[list[int], int]:
+    """Plain-Python prompt lookup: scan every earlier window for the longest suffix."""
+    for n in range(config.max_n, config.min_n - 1, -1):
+        if len(tokens) < n + 1:
+            continue
+        suffix = tokens[-n:]
+        starts = [i + n for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+        if starts:
+            start = starts[0] if config.match == "earliest" else starts[-1]
+            return tokens[start : start + config.num_tokens], n
+    return [], 0
+
+
+@pytest.mark.parametrize("match", ["earliest", "latest"])
+@pytest.mark.parametrize("max_n,min_n", [(3, 1), (4, 2), (1, 1)])
+def test_index_matches_a_plain_python_scan(match, max_n, min_n):
+    config = NgramConfig(max_n=max_n, min_n=min_n, num_tokens=5, match=match)
+    rng = random.Random(max_n * 10 + min_n)
+    for _ in range(20):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(0, 40))]
+        index = NgramIndex(config, tokens[:3])
+        for cut in range(3, len(tokens) + 1):  # grown a few tokens at a time, as the engine does
+            index.extend(tokens[len(index.tokens) : cut])
+            assert index.propose() == reference_proposal(tokens[:cut], config), (tokens, cut)
+
+
+def test_index_proposes_the_prompt_continuation():
+    index = NgramIndex(NgramConfig(max_n=3, min_n=1, num_tokens=4), [5, 6, 7, 8, 9, 1, 5, 6])
+    assert index.propose() == ([7, 8, 9, 1], 2)  # "5 6" stood before, followed by 7 8 9 1
+    index.extend([2])
+    assert index.propose() == ([], 0)  # 2 never occurred before
+
+
+def test_bad_ngram_settings_are_refused():
+    for kwargs, flag in [(dict(min_n=0), "--ngram-min-n"), (dict(max_n=1, min_n=2), "--ngram-max-n"),
+                         (dict(num_tokens=0), "--ngram-tokens"), (dict(match="first"), "--ngram-match")]:
+        with pytest.raises(GenerationInputError, match=flag):
+            NgramConfig(**kwargs)
+
+
+def test_hybrid_tree_merges_the_ngram_branch_after_the_chain():
+    anchors = torch.tensor([100, 101, 102])
+    draft = torch.tensor([[[1, 2, 3], [1, 4, 5]], [[1, 2, 3], [6, 6, 6]], [[7, 8, 9], [7, 8, 1]]])
+    ngram = torch.tensor([[1, 2, 9, 9], [5, 5, 0, 0], [0, 0, 0, 0]])
+    lengths = torch.tensor([4, 2, 0])
+    tree = hybrid_tree(anchors, draft, ngram, lengths, num_nodes=9)
+    for b in range(3):
+        paths = [draft[b, 0].tolist(), ngram[b, : lengths[b]].tolist(), *draft[b, 1:].tolist()]
+        ref = _reference_tree(paths, 9)
+        n = len(ref)
+        assert tree.tokens[b, 0] == anchors[b]
+        assert tree.valid[b].tolist() == [True] * (n + 1) + [False] * (9 - n)
+        got = list(zip(tree.tokens[b, 1 : n + 1].tolist(), tree.parents[b, 1 : n + 1].tolist(),
+                       tree.depths[b, 1 : n + 1].tolist()))
+        assert got == ref
+    # Without a draft the tree is the n-gram branch alone; no match leaves only the root.
+    alone = hybrid_tree(anchors, None, ngram, lengths, num_nodes=4)
+    assert alone.valid.sum(-1).tolist() == [5, 3, 1]
+    assert alone.tokens[0, 1:].tolist() == [1, 2, 9, 9]
+
+
+def test_pack_proposals_pads_and_cuts():
+    tokens, lengths = pack_proposals([[4, 5], [], [1, 2, 3, 4]], 3, torch.device("cpu"))
+    assert tokens.tolist() == [[4, 5, 0], [0, 0, 0], [1, 2, 3]]
+    assert lengths.tolist() == [2, 0, 3]
+
+
+# ----------------------------------------------------------------------------- the planner
+def _planner(seconds: dict[str, float]) -> RoundPlanner:
+    shapes = [RoundShape("plain", 0), RoundShape("ngram", 7, 0, ngram=True),
+              RoundShape("chain", 7, 7), RoundShape("hybrid", 14, 7, ngram=True)]
+    return RoundPlanner(shapes, RoundCosts(seconds, 1), adaptive=True, explore_every=1000)
+
+
+def test_planner_falls_back_to_plain_steps_when_drafting_does_not_pay():
+    planner = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
+    for _ in range(20):  # nothing the draft or the n-gram branch proposed was taken
+        planner.record_draft(0)
+        planner.record_ngram(1, 0)
+    assert planner.choose([1]).name == "plain"
+    assert planner.choose([0]).name == "plain"
+
+
+def test_planner_takes_the_ngram_branch_where_it_is_taken():
+    planner = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
+    for _ in range(20):
+        planner.record_draft(0)
+        planner.record_ngram(3, 5)  # long matches: 5 tokens taken
+        planner.record_ngram(1, 0)  # one-token matches: nothing
+    assert planner.choose([3]).name == "ngram"
+    assert planner.choose([1]).name == "plain"
+    # With flat costs (a GPU) the widest tree wins.
+    flat = _planner({"plain": 1.0, "ngram": 1.0, "chain": 1.0, "hybrid": 1.0})
+    flat.record_draft(2)
+    assert flat.choose([3]).name == "hybrid"
+
+
+def test_planner_retries_the_draft():
+    planner = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
+    planner.explore_every = 4
+    for _ in range(20):
+        planner.record_draft(0)
+    names = [planner.choose([0]).name for _ in range(10)]
+    assert names[:4] == ["plain"] * 4 and names[4] in ("chain", "hybrid")
+    non_adaptive = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
+    non_adaptive.adaptive = False
+    assert non_adaptive.choose([0]).name == "hybrid"
+
+
+# ----------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny Qwen3 target, a briefly trained draft, and prompts that repeat themselves (a
+    prompt, its greedy continuation, the prompt again: the continuation is worth copying)."""
+    root = tmp_path_factory.mktemp("ngram")
+    hf = build_tiny_target(
+        root / "target", "qwen3", head_scale=4.0, num_hidden_layers=4, eos_token_id=None
+    )
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, 9, (8,), generator=gen).tolist()
+    heads = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in lengths]
+    prompts = [h + hf_greedy(hf, h, 12) + h for h in heads]
+    sequences = torch.tensor([p[:16] + hf_greedy(hf, p[:16], 24) for p in prompts])
+    train_draft_briefly(tiny_draft(hf, 200), hf, sequences, steps=30, lr=1e-2).save_pretrained(
+        root / "draft"
+    )
+    return {"root": root, "prompts": prompts}
+
+
+def _engine(world, draft=True, **kwargs) -> Engine:
+    root = world["root"]
+    return Engine.from_pretrained(
+        root / "target", root / "draft" if draft else None, max_seq_len=128, eos_token_ids=[],
+        max_batch_size=4, **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "draft,paths,adaptive", [(False, 1, False), (True, 1, False), (True, 3, False),
+                             (True, 1, True), (False, 1, True)],
+)
+def test_ngram_and_hybrid_rounds_are_lossless(world, draft, paths, adaptive):
+    engine = _engine(world, draft, ngram=NgramConfig(max_n=3, min_n=1, num_tokens=6),
+                     tree_paths=paths, adaptive=adaptive)
+    prompts = world["prompts"]
+    taus = []
+    for start in range(0, len(prompts), 3):  # ragged batches of 3, 3 and 2
+        batch = prompts[start : start + 3]
+        ar = engine.generate_ar(batch, max_new_tokens=NEW, chat=False)
+        out = engine.generate(batch, max_new_tokens=NEW, chat=False)
+        assert out.token_ids == ar.token_ids
+        taus.append(out.stats.tau)
+        assert sum(out.stats.round_shapes.values()) == out.stats.steps
+    # The prompts repeat themselves: copying them is taken by the target. (An adaptive engine
+    # may prefer plain steps on a CPU, where a tiny target's verify grows with the nodes.)
+    assert adaptive or max(taus) > 1.5, taus
+
+
+def test_pure_ngram_mode_needs_no_draft_and_copies(world):
+    engine = _engine(world, draft=False, ngram=NgramConfig(max_n=2, min_n=1, num_tokens=8))
+    prompt = world["prompts"][0]
+    out = engine.generate([prompt], max_new_tokens=12, chat=False)
+    assert out.token_ids == engine.generate_ar([prompt], max_new_tokens=12, chat=False).token_ids
+    assert out.stats.round_shapes == {"ngram": out.stats.steps}
+    assert out.stats.steps < 12  # some rounds took several tokens
+    plain = _engine(world, draft=False)
+    with pytest.raises(GenerationInputError, match="--ngram"):
+        plain.generate([prompt], max_new_tokens=4, chat=False)
+
+
+def test_adaptive_engine_measures_its_rounds(world):
+    engine = _engine(world, ngram=NgramConfig(), adaptive=True)
+    engine.warmup(batch_sizes=[2], num_draft_tokens=[engine.block_size - 1])
+    costs = engine._costs[(2, engine.block_size - 1)]
+    assert set(costs.seconds) == {"plain", "ngram", "chain", "hybrid"}
+    assert all(s > 0 for s in costs.seconds.values())
+
+
+def test_hybrid_sampling_matches_the_target_distribution(tmp_path):
+    """First three sampled tokens with hybrid trees vs the target's exact marginals."""
+    from test_engine_lossless import _chi_square_pvalue, _exact_marginals
+
+    vocab, prompt, rows = 32, [3, 17, 8, 3, 17, 8, 25, 3], 500
+    hf = build_tiny_target(
+        tmp_path / "target", "qwen3", head_scale=6.0, vocab_size=vocab, num_hidden_layers=4,
+        eos_token_id=None,
+    )
+    tiny_draft(hf, 30, transfer_dim=8, message_size=8).save_pretrained(tmp_path / "draft")
+    exact = _exact_marginals(hf, prompt, vocab, steps=3)
+    engine = Engine.from_pretrained(
+        tmp_path / "target", tmp_path / "draft", max_batch_size=rows, max_seq_len=40,
+        eos_token_ids=[], tree_paths=2, ngram=NgramConfig(max_n=2, min_n=1, num_tokens=3),
+    )
+    samples = []
+    for seed in range(4):
+        result = engine.generate([prompt] * rows, max_new_tokens=3, temperature=1.0, seed=seed)
+        samples.append(torch.tensor(result.token_ids))
+        assert result.stats.round_shapes.get("hybrid", 0) == result.stats.steps
+    tokens = torch.cat(samples)
+    for position in range(3):
+        pvalue = _chi_square_pvalue(tokens[:, position], exact[position])
+        assert pvalue > 1e-3, (position, pvalue)
