@@ -49,6 +49,7 @@ from huggingface_hub.utils import validate_repo_id
 from huggingface_hub.utils._http import default_client_factory
 
 from dspine_train.checkpoint_io import SafetensorsWeights, WeightsError, write_text_atomic
+from dspine_train.markdown_table import markdown_table
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -353,16 +354,10 @@ def _eval_section(eval_results: dict[str, Any] | None) -> list[str]:
         )
     per_position = eval_results.get("acceptance_length_per_position")
     if isinstance(per_position, list) and per_position:
-        lines += [
-            "",
-            "| k (drafted tokens) | "
-            + " | ".join(str(i + 1) for i in range(len(per_position)))
-            + " |",
-            "|---" * (len(per_position) + 1) + "|",
-            "| share of blocks with the first k accepted | "
-            + " | ".join(_format_value(v) for v in per_position)
-            + " |",
-        ]
+        lines += ["", *markdown_table(
+            ["k (drafted tokens)", *range(1, len(per_position) + 1)],
+            [["share of blocks with the first k accepted", *map(_format_value, per_position)]],
+        )]
     scalars = {
         key: value
         for key, value in eval_results.items()
@@ -371,8 +366,10 @@ def _eval_section(eval_results: dict[str, Any] | None) -> list[str]:
         and not isinstance(value, bool)
     }
     if scalars:
-        lines += ["", "| metric | value |", "|---|---|"]
-        lines += [f"| {key} | {_format_value(value)} |" for key, value in sorted(scalars.items())]
+        lines += ["", *markdown_table(
+            ["metric", "value"],
+            [(key, _format_value(value)) for key, value in sorted(scalars.items())],
+        )]
     return lines
 
 
@@ -438,9 +435,7 @@ def render_model_card(
         "",
         "## Model",
         "",
-        "| | |",
-        "|---|---|",
-        *[f"| {name} | {value} |" for name, value in rows],
+        *markdown_table(["", ""], rows),
         "",
         "## Training",
         "",

@@ -11,8 +11,9 @@ markdown, JSON and PNG, with the exact command and git commit.
         --report docs/results/ablation_cpu                   # on the demo's data and features
     python scripts/ablate.py --variants dspine,dspine_no_tcache --steps 300 --set data.num_anchors=64
 
-Variants (`--variants`, default all): dflash, dspine, dspine_no_cosine, dspine_token_ce,
-dspine_no_tcache (dspine's weights decoded without the transition cache; not retrained).
+Variants (`--variants`, default all): dflash, dspine, dspine_no_alignment, dspine_token_ce,
+dspine_no_tcache (dspine's weights decoded without the transition cache; not retrained); they
+are defined in `scripts/tools/ablation/variants.py`, with the training study's.
 A rerun with the same --out skips the feature cache, every variant whose export exists and
 every evaluation already done with the same settings; an interrupted training resumes from its
 last checkpoint. Exit status 1 with a message on bad input or a failed stage.
@@ -32,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.tools.ablation.variants import VARIANTS, select_variants  # noqa: E402
+from scripts.tools.ablation.variants import ABLATION  # noqa: E402
 
 SMOKE_STEPS = 8
 SMOKE_PROMPT_CHARS = 400
@@ -49,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="a tiny random target and synthetic data: the whole study in ~1 minute")
     p.add_argument("--variants", default=None,
-                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+                   help=f"comma-separated subset of {','.join(ABLATION.rows)} (default: all)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"optimizer steps per trained variant (default 150; {SMOKE_STEPS} "
                         "with --smoke)")
@@ -103,7 +104,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if "=" not in value:
             p.error(f"--set expects KEY=VALUE, got {value!r}")
     try:
-        args.variant_list = select_variants(args.variants.split(",") if args.variants else None)
+        args.variant_list = ABLATION.select(args.variants.split(",") if args.variants else None)
         args.temperature_list = [float(t) for t in args.temperatures.split(",")]
     except ValueError as err:
         p.error(str(err))
@@ -114,18 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     """Run the study; 0 on success, 1 with a message on failure."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from scripts.tools.ablation.report import data_summary, git_commit, write_report
-    from scripts.tools.ablation.runner import (
-        AblationError,
-        AblationSettings,
+    from scripts.tools.ablation.ablation_report import write_ablation_report
+    from scripts.tools.ablation.ablation_rows import (
         collect_row,
         config_differences,
+        same_budget,
+        settings_record,
+    )
+    from scripts.tools.ablation.report import data_summary, git_commit
+    from scripts.tools.ablation.runner import (
+        EVERY_BLOCK,
+        TOKEN_TABLE,
+        StudyError,
+        StudySettings,
         ensure_features,
         evaluate_variant,
         harness_evaluator,
         prepare_variants,
-        same_budget,
-        settings_record,
     )
 
     out = (args.out or REPO / ("artifacts/ablation_smoke" if args.smoke
@@ -154,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         overrides += ["logging.progress_bar=false"]
     overrides += args.overrides
-    settings = AblationSettings(
+    steps = args.steps or (SMOKE_STEPS if args.smoke else 150)
+    settings = StudySettings(
         out_dir=out,
         recipe=args.recipe or ("tiny" if args.smoke else "qwen2.5_coder_0.5b"),
-        steps=args.steps or (SMOKE_STEPS if args.smoke else 150),
+        steps=steps,
         seed=args.seed,
         overrides=overrides,
         benches=args.benches.split(","),
@@ -172,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt_chars=SMOKE_PROMPT_CHARS if args.smoke else DEFAULT_MAX_PROMPT_CHARS,
         eval_seed=args.seed,
         features_override=args.features.resolve() if args.features else None,
+        # one token table for every run (it depends only on the target); evaluate once, at
+        # the end, on every held-out block; checkpoint every quarter, so an interrupted
+        # variant resumes instead of restarting
+        token_table=out / TOKEN_TABLE,
+        eval_every=0,
+        eval_max_blocks=EVERY_BLOCK,
+        checkpoint_every=max(1, steps // 4),
     )
     commit, dirty = git_commit(REPO)
     try:
@@ -184,14 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         evaluate = harness_evaluator(target, settings)
         rows = [collect_row(settings, v, evaluate_variant(settings, v, evaluate))
                 for v in args.variant_list]
-    except AblationError as err:
+    except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
     differences = config_differences(settings, args.variant_list)
     reference = json.loads((settings.export_dir(args.variant_list[0]) / "config.json")
                            .read_text())
-    run = rows[0]["run"]
+    run = rows[0].run
     meta = {
         "title": args.title or ("DSpine ablation (smoke: tiny random target)" if args.smoke
                                 else "DSpine ablation"),
@@ -209,15 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         "train_path": _shown(data),
         "data_summary": data_summary(data),
         "features_dir": _shown(settings.features_dir),
-        "batch_size": run["batch_size"],
-        "num_anchors": run["num_anchors"],
-        "max_length": run["max_length"],
-        "lr": run["lr"],
+        "batch_size": run.batch_size,
+        "num_anchors": run.num_anchors,
+        "max_length": run.max_length,
+        "lr": run.lr,
         "same_budget": same_budget(rows) and not differences,
         "config_differences": differences,
         "settings": settings_record(settings),
     }
-    paths = write_report(rows, meta, args.report or out / "ablation")
+    paths = write_ablation_report(rows, meta, args.report or out / "ablation")
     print(paths[0].read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -24,6 +24,7 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +43,24 @@ from data_prep.sources import load_source  # noqa: E402
 from data_prep.tokenize import tokenize_files  # noqa: E402
 
 
-def bench_tokenize(tokenizer, rows: int, processes: list[int], workdir: Path) -> list[dict]:
+@dataclass
+class Throughput:
+    """One stage at one setting: a row of the table and of `results` in the JSON."""
+
+    stage: str
+    setting: str
+    rows: int
+    seconds: float
+    rows_per_s: float
+    tokens_per_s: float
+    model_load_s: float | None = None  # regeneration only: loading the model, once
+
+    def to_json(self) -> dict[str, object]:
+        """The row's fields (`model_load_s` only where it was measured)."""
+        return {k: v for k, v in asdict(self).items() if k != "model_load_s" or v is not None}
+
+
+def bench_tokenize(tokenizer, rows: int, processes: list[int], workdir: Path) -> list[Throughput]:
     """End-to-end tokenisation throughput for each process count."""
     source = load_source(SourceConfig(builtin="sharegpt", part="all", max_rows=rows))
     inputs = workdir / "sharegpt.jsonl"
@@ -55,15 +73,15 @@ def bench_tokenize(tokenizer, rows: int, processes: list[int], workdir: Path) ->
         report = tokenize_files([inputs], tokenizer, workdir / f"tok{num_proc}", max_length=4096,
                                 eval_fraction=0.0, num_proc=num_proc)
         seconds = time.perf_counter() - start
-        results.append({"stage": "tokenize+mask", "setting": f"{num_proc} process(es)",
-                        "rows": report["input_rows"], "seconds": round(seconds, 2),
-                        "rows_per_s": round(report["input_rows"] / seconds, 1),
-                        "tokens_per_s": round(report["tokens"] / seconds, 1)})
+        results.append(Throughput("tokenize+mask", f"{num_proc} process(es)",
+                                  rows=report["input_rows"], seconds=round(seconds, 2),
+                                  rows_per_s=round(report["input_rows"] / seconds, 1),
+                                  tokens_per_s=round(report["tokens"] / seconds, 1)))
     return results
 
 
 def bench_regenerate(model_dir: Path, prompts: int, max_new_tokens: int,
-                     batch_sizes: list[int]) -> list[dict]:
+                     batch_sizes: list[int]) -> list[Throughput]:
     """Greedy local regeneration throughput for each batch size (one shared model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,11 +100,11 @@ def bench_regenerate(model_dir: Path, prompts: int, max_new_tokens: int,
         start = time.perf_counter()
         tokens = sum(outcome.completion_tokens for outcome in backend.regenerate(rows))
         seconds = time.perf_counter() - start
-        results.append({"stage": "regenerate (local, greedy)", "setting": f"batch {batch_size}",
-                        "rows": len(rows), "seconds": round(seconds, 2),
-                        "rows_per_s": round(len(rows) / seconds, 2),
-                        "tokens_per_s": round(tokens / seconds, 1),
-                        "model_load_s": round(load_seconds, 2)})
+        results.append(Throughput("regenerate (local, greedy)", f"batch {batch_size}",
+                                  rows=len(rows), seconds=round(seconds, 2),
+                                  rows_per_s=round(len(rows) / seconds, 2),
+                                  tokens_per_s=round(tokens / seconds, 1),
+                                  model_load_s=round(load_seconds, 2)))
     return results
 
 
@@ -111,7 +129,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     load_before = os.getloadavg()
-    results = []
+    results: list[Throughput] = []
     if "tokenize" in stages:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         with tempfile.TemporaryDirectory() as workdir:
@@ -124,14 +142,14 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r['stage']:<28} {r['setting']:<14} {r['rows']:>6} {r['seconds']:>8} "
-              f"{r['rows_per_s']:>8} {r['tokens_per_s']:>9}")
+        print(f"{r.stage:<28} {r.setting:<14} {r.rows:>6} {r.seconds:>8} "
+              f"{r.rows_per_s:>8} {r.tokens_per_s:>9}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "machine": platform.machine(), "max_new_tokens": args.max_new_tokens,
             "model": str(args.model), "loadavg_1m_before_after": [load_before[0],
                                                                    os.getloadavg()[0]]}
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"meta": meta, "results": [r.to_json() for r in results]}, indent=2) + "\n")
     print(f"load average (1 min) before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs")
     print(f"wrote {args.out}")

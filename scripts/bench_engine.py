@@ -23,13 +23,67 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspine_train.engine.cli import add_engine_arguments, build_engine, run_batches
 from dspine_train.engine.prompts import read_prompts
+from dspine_train.engine.stats import GenerationStats, sum_stats, time_calls
+
+if TYPE_CHECKING:
+    from dspine_train.engine import Engine
+
+
+@dataclass
+class EngineRun:
+    """One decoding mode at one (batch, g) over every prompt: a row of `runs`."""
+
+    mode: str  # "autoregressive" or "speculative"
+    batch: int
+    g: int  # draft tokens per round; 0 for plain decoding
+    stats: GenerationStats  # summed over the prompts
+    speedup: float  # tokens/s over plain decoding's at this batch
+    identical: bool  # the same tokens as plain decoding
+
+    def to_json(self) -> dict[str, object]:
+        """The row as the report writes it (the stats' counters and rates inline)."""
+        return {"mode": self.mode, "batch": self.batch, "g": self.g, **self.stats.to_dict(),
+                "speedup": self.speedup, "identical": self.identical}
+
+
+@dataclass
+class TreeRun:
+    """One tree budget (paths 1: the chain) at one (batch, g): a row of `tree_runs`."""
+
+    stats: GenerationStats  # summed over the interleaved passes
+    batch: int
+    g: int
+    paths: int
+    nodes: int  # verified nodes per round (g for the chain)
+    identical: bool
+    first_difference: list[int] | None  # [prompt, token] where the output leaves plain decoding
+    tau_vs_chain: float = 0.0
+    verify_ms_vs_chain: float = 0.0
+    tokens_per_s_vs_chain: float = 0.0
+
+    @property
+    def mode(self) -> str:
+        return "tree" if self.paths > 1 else "chain"
+
+    def to_json(self) -> dict[str, object]:
+        """The row as the report writes it (the stats' counters and rates first)."""
+        return {**self.stats.to_dict(), "mode": self.mode, "batch": self.batch, "g": self.g,
+                "paths": self.paths, "nodes": self.nodes, "identical": self.identical,
+                "first_difference": self.first_difference, "tau_vs_chain": self.tau_vs_chain,
+                "verify_ms_vs_chain": self.verify_ms_vs_chain,
+                "tokens_per_s_vs_chain": self.tokens_per_s_vs_chain}
+
+
+def _ratio(value: float, base: float) -> float:
+    return value / base if base else 0.0
 
 
 def time_call(fn, device: torch.device, repeats: int) -> float:
@@ -38,19 +92,10 @@ def time_call(fn, device: torch.device, repeats: int) -> float:
     The minimum, not the median: on a shared machine other processes only ever add time.
     """
     fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return min(samples)
+    return min(time_calls(fn, device, repeats))
 
 
-def draft_step_costs(engine, prompts: list[str], chat: bool, repeats: int) -> dict[str, float]:
+def draft_step_costs(engine: Engine, prompts: list[str], chat: bool, repeats: int) -> dict[str, float]:
     """Time the pieces of one draft step on the first prompts' committed context."""
     from dspine_train.modeling.transition_cache import naive_serial_walk, top_candidates
 
@@ -112,14 +157,12 @@ def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] |
 
 
 def tree_comparison(
-    engine, prompts, batch: int, g: int, paths: list[int], nodes: list[int | None],
-    rounds: int, ar_ids: list[list[int]], common: dict,
-) -> list[dict]:
+    engine: Engine, prompts: list[str], batch: int, g: int, paths: list[int],
+    nodes: list[int | None], rounds: int, ar_ids: list[list[int]], common: dict[str, object],
+) -> list[TreeRun]:
     """Chain vs tree budgets at one (batch, g), interleaved over `rounds` passes."""
-    from dspine_train.engine.stats import sum_stats
-
     budgets = list(zip(paths, nodes))
-    parts: dict[tuple[int, int | None], list] = {b: [] for b in budgets}
+    parts: dict[tuple[int, int | None], list[GenerationStats]] = {b: [] for b in budgets}
     for m, n in budgets:  # warm-up of every budget's shapes
         engine.configure_tree(m, n)
         engine.generate(prompts[:batch], max_new_tokens=4, chat=common["chat"], num_draft_tokens=g)
@@ -140,26 +183,18 @@ def tree_comparison(
     rows = []
     for m, n in budgets:
         total = sum_stats(parts[(m, n)])
-        rows.append({
-            **total.to_dict(), "mode": "tree" if m > 1 else "chain", "batch": batch, "g": g,
-            "paths": m, "nodes": total.tree_nodes if m > 1 else g,
-            "identical": outputs[(m, n)] == ar_ids,
-            "first_difference": first_difference(outputs[(m, n)], ar_ids),
-        })
-    chain = next((r for r in rows if r["paths"] == 1), rows[0])
+        rows.append(TreeRun(total, batch, g, m, total.tree_nodes if m > 1 else g,
+                            identical=outputs[(m, n)] == ar_ids,
+                            first_difference=first_difference(outputs[(m, n)], ar_ids)))
+    chain = next((r for r in rows if r.paths == 1), rows[0]).stats
     for row in rows:
-        row["tau_vs_chain"] = row["tau"] / chain["tau"] if chain["tau"] else 0.0
-        row["verify_ms_vs_chain"] = (
-            row["verify_ms_per_step"] / chain["verify_ms_per_step"]
-            if chain["verify_ms_per_step"] else 0.0
-        )
-        row["tokens_per_s_vs_chain"] = (
-            row["tokens_per_s"] / chain["tokens_per_s"] if chain["tokens_per_s"] else 0.0
-        )
+        row.tau_vs_chain = _ratio(row.stats.tau, chain.tau)
+        row.verify_ms_vs_chain = _ratio(row.stats.verify_ms_per_step, chain.verify_ms_per_step)
+        row.tokens_per_s_vs_chain = _ratio(row.stats.tokens_per_s, chain.tokens_per_s)
     return rows
 
 
-def print_tree_table(rows: list[dict]) -> None:
+def print_tree_table(rows: list[TreeRun]) -> None:
     """The chain-vs-tree table."""
     header = (
         f"{'batch':>6}{'g':>4}{'M':>4}{'N':>5}{'tau':>7}{'tau x':>7}{'verify ms':>11}"
@@ -169,10 +204,10 @@ def print_tree_table(rows: list[dict]) -> None:
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['batch']:>6}{r['g']:>4}{r['paths']:>4}{r['nodes']:>5}{r['tau']:>7.2f}"
-            f"{r['tau_vs_chain']:>7.2f}{r['verify_ms_per_step']:>11.2f}"
-            f"{r['verify_ms_vs_chain']:>10.2f}{r['draft_ms_per_step']:>10.2f}"
-            f"{r['tokens_per_s']:>9.1f}{r['tokens_per_s_vs_chain']:>9.2f}{str(r['identical']):>11}"
+            f"{r.batch:>6}{r.g:>4}{r.paths:>4}{r.nodes:>5}{r.stats.tau:>7.2f}"
+            f"{r.tau_vs_chain:>7.2f}{r.stats.verify_ms_per_step:>11.2f}"
+            f"{r.verify_ms_vs_chain:>10.2f}{r.stats.draft_ms_per_step:>10.2f}"
+            f"{r.stats.tokens_per_s:>9.1f}{r.tokens_per_s_vs_chain:>9.2f}{str(r.identical):>11}"
         )
     print()
 
@@ -231,21 +266,13 @@ def main() -> None:
     g_values = args.num_draft_tokens or [engine.block_size - 1]
     common = dict(max_new_tokens=args.max_new_tokens, chat=chat, seed=args.seed)
 
-    rows, tree_rows = [], []
+    rows: list[EngineRun] = []
+    tree_rows: list[TreeRun] = []
     for batch in args.batch_sizes:
         engine.generate_ar(prompts[:batch], max_new_tokens=8, chat=chat)  # warm-up (and capture)
         ar_results, ar = run_batches(engine, prompts, batch, False, f"AR b={batch}", **common)
         ar_ids = [t for r in ar_results for t in r.token_ids]
-        rows.append(
-            {
-                "mode": "autoregressive",
-                "batch": batch,
-                "g": 0,
-                **ar.to_dict(),
-                "speedup": 1.0,
-                "identical": True,
-            }
-        )
+        rows.append(EngineRun("autoregressive", batch, 0, ar, speedup=1.0, identical=True))
         for g in g_values:
             if args.tree_only:
                 tree_rows += tree_comparison(
@@ -258,16 +285,9 @@ def main() -> None:
                 engine, prompts, batch, True, f"spec b={batch} g={g}", num_draft_tokens=g, **common
             )
             ids = [t for r in results for t in r.token_ids]
-            rows.append(
-                {
-                    "mode": "speculative",
-                    "batch": batch,
-                    "g": g,
-                    **spec.to_dict(),
-                    "speedup": spec.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0,
-                    "identical": ids == ar_ids,
-                }
-            )
+            rows.append(EngineRun("speculative", batch, g, spec,
+                                  speedup=_ratio(spec.tokens_per_s, ar.tokens_per_s),
+                                  identical=ids == ar_ids))
             if args.tree_paths is not None:
                 tree_rows += tree_comparison(
                     engine, prompts, batch, g, args.tree_paths, tree_nodes,
@@ -284,9 +304,10 @@ def main() -> None:
     print("-" * len(header))
     for row in rows:
         print(
-            f"{row['mode']:<15}{row['batch']:>6}{row['g']:>4}{row['tau']:>7.2f}"
-            f"{row['tokens_per_s']:>9.1f}{row['speedup']:>9.2f}{row['draft_ms_per_step']:>10.2f}"
-            f"{row['verify_ms_per_step']:>11.2f}{str(row['identical']):>11}"
+            f"{row.mode:<15}{row.batch:>6}{row.g:>4}{row.stats.tau:>7.2f}"
+            f"{row.stats.tokens_per_s:>9.1f}{row.speedup:>9.2f}"
+            f"{row.stats.draft_ms_per_step:>10.2f}{row.stats.verify_ms_per_step:>11.2f}"
+            f"{str(row.identical):>11}"
         )
     print()
     if tree_rows:
@@ -303,8 +324,8 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
-        "runs": rows,
-        "tree_runs": tree_rows,
+        "runs": [row.to_json() for row in rows],
+        "tree_runs": [row.to_json() for row in tree_rows],
         "tree_rounds": args.tree_rounds if tree_rows else 0,
         "draft_step_costs": costs,
     }

@@ -49,7 +49,7 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -59,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
 
 from dspine_train import DSpineConfig, DSpineDraftModel  # noqa: E402
+from dspine_train.engine.stats import StepTimer  # noqa: E402
 from dspine_train.objective import sample_anchors  # noqa: E402
 from dspine_train.token_table import build_token_table  # noqa: E402
 from dspine_train.training.draft_step import DraftStep  # noqa: E402
@@ -66,6 +67,18 @@ from dspine_train.training.target import TargetFeatureExtractor, target_head_wei
 
 GOAL = 1.10
 VARIANTS = {"dflash": False, "dspine": True}  # name -> injection
+
+
+@dataclass
+class VariantTiming:
+    """One variant's step: times over the interleaved steps, size and peak memory."""
+
+    step_ms: float  # the best (minimum) step
+    step_ms_median: float
+    draft_tokens_per_s: float  # drafted slots per second at the best step
+    step_ms_all: list[float]
+    parameters: int
+    peak_memory_mib: float = 0.0  # measured afterwards, in a fresh process
 
 
 def _rss() -> int:
@@ -145,16 +158,6 @@ def _make_step(args, device, target, embed, head, table, layer_ids, batch, injec
     return one_step, sum(p.numel() for p in draft.parameters())
 
 
-def _timed(one_step, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    one_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def _peak_memory(args, device, built, injection: bool) -> float:
     """Peak memory (MiB) of warm-up + timed steps of one variant (run in a worker process)."""
     one_step, _ = _make_step(args, device, *built, injection=injection)
@@ -169,7 +172,7 @@ def _peak_memory(args, device, built, injection: bool) -> float:
     return peak / 2**20
 
 
-def _interleaved_times(args, device, built) -> dict[str, dict]:
+def _interleaved_times(args, device, built) -> dict[str, VariantTiming]:
     """Best and median step time per variant, the variants' steps alternating on one batch.
 
     Alternating step by step exposes both variants to the same machine load; the ratio uses the
@@ -179,18 +182,17 @@ def _interleaved_times(args, device, built) -> dict[str, dict]:
     for _ in range(args.warmup):
         for one_step, _ in steps.values():
             one_step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    timer = StepTimer(device)
     for _ in range(args.iters):
         for name, (one_step, _) in steps.items():
-            times[name].append(_timed(one_step, device))
+            with timer.section(name):
+                one_step()
+    times = timer.samples()
     slots = built[-1][0].shape[0] * built[-1][4].shape[1] * args.block
-    out = {}
-    for name, ts in times.items():
-        best = min(ts)
-        out[name] = {"step_ms": best * 1e3, "step_ms_median": statistics.median(ts) * 1e3,
-                     "draft_tokens_per_s": slots / best, "step_ms_all": [t * 1e3 for t in ts],
-                     "parameters": steps[name][1]}
-    return out
+    return {name: VariantTiming(step_ms=min(ts) * 1e3, step_ms_median=statistics.median(ts) * 1e3,
+                                draft_tokens_per_s=slots / min(ts),
+                                step_ms_all=[t * 1e3 for t in ts], parameters=steps[name][1])
+            for name, ts in times.items()}
 
 
 def main() -> None:
@@ -242,21 +244,22 @@ def main() -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.exit(f"{name} worker failed:\n{proc.stderr[-3000:]}")
-        results[name].update(json.loads(proc.stdout.strip().splitlines()[-1]))
-    ratio = results["dspine"]["step_ms"] / results["dflash"]["step_ms"]
+        results[name].peak_memory_mib = json.loads(proc.stdout.strip().splitlines()[-1])[
+            "peak_memory_mib"]
+    ratio = results["dspine"].step_ms / results["dflash"].step_ms
     print(f"training step, {args.batch} x {args.seq} tokens, {args.anchors} anchors x block "
           f"{args.block}, H={args.hidden}, V={args.vocab}, {args.layers} draft layers, "
           f"{args.device}")
     print(f"{'variant':<8} {'best ms':>9} {'median ms':>10} {'draft tok/s':>12} {'peak MiB':>9} "
           f"{'params':>10}")
     for name, r in results.items():
-        print(f"{name:<8} {r['step_ms']:>9.1f} {r['step_ms_median']:>10.1f} "
-              f"{r['draft_tokens_per_s']:>12,.0f} {r['peak_memory_mib']:>9.1f} {r['parameters']:>10,}")
+        print(f"{name:<8} {r.step_ms:>9.1f} {r.step_ms_median:>10.1f} "
+              f"{r.draft_tokens_per_s:>12,.0f} {r.peak_memory_mib:>9.1f} {r.parameters:>10,}")
     verdict = "meets" if ratio <= GOAL else "misses"
     print(f"DSpine overhead: {ratio:.3f}x best step time ({verdict} the <= {GOAL:.2f}x goal)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": vars(args), "results": results,
+    out.write_text(json.dumps({"settings": vars(args), "results": {name: asdict(r) for name, r in results.items()},
                                "overhead_ratio": ratio, "goal": GOAL,
                                "machine": platform.platform(),
                                "torch_threads": torch.get_num_threads()}, indent=2))

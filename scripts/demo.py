@@ -35,13 +35,14 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere: import the repo's packages
 
+from dspine_train.markdown_table import markdown_table  # noqa: E402
 from scripts.tools.child_runs import offline_env, run_logged  # noqa: E402
 
 STAGES = ("target", "prompts", "regenerate", "tokenize", "token_table", "features", "train",
@@ -135,6 +136,18 @@ def parse_list(text: str, known: tuple[str, ...], flag: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- stage records
 @dataclass
+class StageRecord:
+    """A finished stage, as `stages/<stage>.json` holds it."""
+
+    stage: str
+    fingerprint: str  # hash of the stage's settings and its upstream runs (`fingerprint`)
+    run_id: str  # what a downstream stage's fingerprint reads
+    seconds: float
+    finished_at: str
+    summary: dict[str, Any]  # the stage's own figures (JSON, a shape per stage)
+
+
+@dataclass
 class Demo:
     """Paths and settings shared by the stages."""
 
@@ -151,17 +164,17 @@ class Demo:
         """A path under the demo's output directory."""
         return self.out.joinpath(*parts)
 
-    def marker(self, stage: str) -> dict[str, Any] | None:
-        """The record of a finished stage, or None."""
+    def marker(self, stage: str) -> StageRecord | None:
+        """The record of a finished stage, or None (also for a record this demo cannot read)."""
         try:
-            return json.loads((self.stages_dir / f"{stage}.json").read_text())
-        except (OSError, ValueError):
+            return StageRecord(**json.loads((self.stages_dir / f"{stage}.json").read_text()))
+        except (OSError, ValueError, TypeError):
             return None
 
 
-def fingerprint(settings: dict[str, Any], upstream: list[dict[str, Any]]) -> str:
+def fingerprint(settings: dict[str, Any], upstream: list[StageRecord]) -> str:
     """Hash of a stage's settings and the runs of the stages it reads."""
-    payload = json.dumps({"settings": settings, "upstream": [m["run_id"] for m in upstream]},
+    payload = json.dumps({"settings": settings, "upstream": [m.run_id for m in upstream]},
                          sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -526,7 +539,7 @@ SPECS: dict[str, StageSpec] = {
 }
 
 
-def run_stage(demo: Demo, name: str, force: bool) -> tuple[dict[str, Any], bool]:
+def run_stage(demo: Demo, name: str, force: bool) -> tuple[StageRecord, bool]:
     """Run one stage unless its record matches; return (record, whether it ran)."""
     spec = SPECS[name]
     upstream = []
@@ -538,7 +551,7 @@ def run_stage(demo: Demo, name: str, force: bool) -> tuple[dict[str, Any], bool]
         upstream.append(marker)
     key = fingerprint(spec.settings(demo.args), upstream)
     done = demo.marker(name)
-    if done is not None and done["fingerprint"] == key and not force and name != "target":
+    if done is not None and done.fingerprint == key and not force and name != "target":
         return done, False
     started_path = demo.stages_dir / f"{name}.started.json"
     started = json.loads(started_path.read_text()) if started_path.is_file() else None
@@ -552,10 +565,11 @@ def run_stage(demo: Demo, name: str, force: bool) -> tuple[dict[str, Any], bool]
     write_json(started_path, {"fingerprint": key})
     start = time.perf_counter()
     summary = stage_train(demo, resume) if name == "train" else STAGE_FUNCS[name](demo)
-    record = {"stage": name, "fingerprint": key, "run_id": summary.pop("run_id", uuid.uuid4().hex),
-              "seconds": round(time.perf_counter() - start, 1),
-              "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"), "summary": summary}
-    write_json(demo.stages_dir / f"{name}.json", record)
+    record = StageRecord(stage=name, fingerprint=key,
+                         run_id=summary.pop("run_id", uuid.uuid4().hex),
+                         seconds=round(time.perf_counter() - start, 1),
+                         finished_at=time.strftime("%Y-%m-%d %H:%M:%S"), summary=summary)
+    write_json(demo.stages_dir / f"{name}.json", asdict(record))
     started_path.unlink(missing_ok=True)
     return record, True
 
@@ -567,22 +581,24 @@ STAGE_FUNCS: dict[str, Callable[[Demo], dict[str, Any]]] = {
 }
 
 
-def final_report(demo: Demo, records: dict[str, dict[str, Any]], ran: dict[str, bool]) -> str:
+def final_report(demo: Demo, records: dict[str, StageRecord], ran: dict[str, bool]) -> str:
     """Stage times, the evaluation tables and the trainer's simulated tau, as markdown."""
-    lines = ["## DSpine demo", "", "| stage | seconds | this run | summary |", "|---|---:|---|---|"]
+    rows = []
     for name, record in records.items():
-        summary = {k: v for k, v in record["summary"].items()
+        summary = {k: v for k, v in record.summary.items()
                    if k not in ("simulated_per_position", "assembly")}
-        lines.append(f"| {name} | {record['seconds']} | {'ran' if ran[name] else 'cached'} | "
-                     f"{json.dumps(summary, default=str)[:160]} |")
-    total = sum(r["seconds"] for r in records.values())
+        rows.append((name, record.seconds, "ran" if ran[name] else "cached",
+                     json.dumps(summary, default=str)[:160]))
+    lines = ["## DSpine demo", "",
+             *markdown_table(["stage", "seconds", "this run", "summary"], rows, align="lrll")]
+    total = sum(r.seconds for r in records.values())
     lines += ["", f"Total stage time: {total:.0f} s ({total / 60:.1f} min), "
               f"load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores.", ""]
     train = demo.marker("train")
-    if train and train["summary"].get("simulated_tau") is not None:
-        rates = ", ".join(f"{r:.2f}" for r in train["summary"]["simulated_per_position"] or [])
+    if train and train.summary.get("simulated_tau") is not None:
+        rates = ", ".join(f"{r:.2f}" for r in train.summary["simulated_per_position"] or [])
         lines += [f"Trainer's simulated tau (held-out rows of the training data, greedy, full "
-                  f"block): {train['summary']['simulated_tau']:.2f}; per position: {rates}", ""]
+                  f"block): {train.summary['simulated_tau']:.2f}; per position: {rates}", ""]
     results_md = demo.path("eval", "results.md")
     if results_md.is_file():
         lines.append(results_md.read_text())
@@ -622,13 +638,13 @@ def main(argv: list[str] | None = None) -> int:
         if {"token_table", "features", "train"} & set(selected) and (
                 target / "config.json").is_file():
             train_config(demo)  # a bad recipe or override fails now, not after the data stages
-        records: dict[str, dict[str, Any]] = {}
+        records: dict[str, StageRecord] = {}
         ran: dict[str, bool] = {}
         for index, name in enumerate(s for s in STAGES if s in selected):
             print(f"\n[demo] stage {index + 1}/{len(selected)}: {name}", flush=True)
             records[name], ran[name] = run_stage(demo, name, name in forced)
             state = "done" if ran[name] else "already done, skipped"
-            print(f"[demo] {name}: {state} ({records[name]['seconds']} s)", flush=True)
+            print(f"[demo] {name}: {state} ({records[name].seconds} s)", flush=True)
     except KeyboardInterrupt:
         print("\n[demo] interrupted; rerun the same command to continue", file=sys.stderr)
         return 130
@@ -642,9 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + report)
     print(f"[demo] report: {demo.path('demo_report.md')}")
     evaluated = records.get("evaluate")
-    for warning in (evaluated or {}).get("summary", {}).get("parity_warnings", []):
+    for warning in evaluated.summary.get("parity_warnings", []) if evaluated else []:
         print(f"warning: {warning}", file=sys.stderr)
-    if evaluated and not evaluated["summary"]["lossless"]:
+    if evaluated and not evaluated.summary["lossless"]:
         print("error: speculative output differed from plain decoding at T=0", file=sys.stderr)
         return 1
     return 0

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 from dspine_train.checkpoint_io import write_json_atomic, write_text_atomic  # noqa: E402
 from dspine_train.engine import Engine  # noqa: E402
 from dspine_train.formats import export_dir, load_draft  # noqa: E402
+from dspine_train.markdown_table import markdown_table  # noqa: E402
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel  # noqa: E402
 from scripts.tools.bench.reference_parity import (  # noqa: E402
     compare_rounds,
@@ -129,14 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(out / "results.json", summary)
     lines = [f"# DFlash round trip: {summary['target']}, {summary['draft']}", "",
              f"Missing / unexpected weights in `DFlashDraftModel.from_pretrained`: "
-             f"{len(summary['missing_keys'])} / {len(summary['unexpected_keys'])}.", "",
-             "| prompt | max abs logit diff | reference = greedy | engine = greedy "
-             "| full-block rounds | same drafts | accepted drafts |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['prompt'][:40]} | {r['max_abs_logit_diff']:.1e} | "
-              f"{r['reference_equals_greedy']} | {r['engine_equals_greedy']} | "
-              f"{r['full_block_rounds']} | {r['same_drafts_and_acceptance']} | "
-              f"{r['accepted_drafts']} |" for r in rows]
+             f"{len(summary['missing_keys'])} / {len(summary['unexpected_keys'])}.", ""]
+    lines += markdown_table(
+        ["prompt", "max abs logit diff", "reference = greedy", "engine = greedy",
+         "full-block rounds", "same drafts", "accepted drafts"],
+        [(r["prompt"][:40], f"{r['max_abs_logit_diff']:.1e}", r["reference_equals_greedy"],
+          r["engine_equals_greedy"], r["full_block_rounds"], r["same_drafts_and_acceptance"],
+          r["accepted_drafts"]) for r in rows])
     write_text_atomic(out / "results.md", "\n".join(lines) + "\n")
     print(f"{'all checks pass' if ok else 'CHECKS FAILED'}; wrote {out}/results.md")
     return 0 if ok else 1

@@ -1,4 +1,4 @@
-"""Shared builders for the engine tests: tiny random targets, a tokenizer, stand-in drafts."""
+"""Shared builders for the engine tests: tiny random targets, a tokenizer, drafts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from dspine_train.training.tiny_assets import TINY_SHAPE
+from scripts.tools.bench.oracle_draft import OracleContext, OracleDraft
 
 # the tiny Qwen3 shape; head_dim is given per family below (Qwen2 derives it from H / heads)
 TINY = dict({k: v for k, v in TINY_SHAPE.items() if k != "head_dim"}, num_hidden_layers=4,
@@ -66,52 +67,6 @@ def build_tokenizer(path: Path, vocab_size: int = 200) -> transformers.PreTraine
     return fast
 
 
-@dataclass
-class StandInConfig:
-    """The draft-config fields the engine reads."""
-
-    block_size: int
-    target_layer_ids: list[int]
-    vocab_size: int
-    hidden_size: int
-
-
-@dataclass
-class StandInProposal:
-    tokens: torch.Tensor
-    q: torch.Tensor | None
-
-
-class RecordingContext(torch.nn.Module):
-    """`DSpineDraftModel`'s context-cache interface, keeping the raw features it is given.
-
-    Tests read `cache["features"]` to check exactly what the engine committed to the draft.
-    """
-
-    def __init__(self, config: StandInConfig) -> None:
-        super().__init__()
-        self.config = config
-
-    def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Nothing to bind: proposals do not use the target's weights."""
-
-    def new_context_cache(self, batch_size, max_length, *, device=None, dtype=None) -> dict:
-        width = self.config.hidden_size * len(self.config.target_layer_ids)
-        return {
-            "features": torch.zeros(batch_size, max_length, width, device=device, dtype=dtype),
-            "lengths": torch.zeros(batch_size, dtype=torch.long, device=device),
-        }
-
-    def append_context(self, cache: dict, features: torch.Tensor, counts: torch.Tensor) -> None:
-        for b in range(features.shape[0]):
-            start, n = int(cache["lengths"][b]), int(counts[b])
-            cache["features"][b, start : start + n] = features[b, :n]
-        cache["lengths"][: counts.shape[0]] += counts
-
-    def crop_context(self, cache: dict, lengths: torch.Tensor) -> None:
-        cache["lengths"][: lengths.shape[0]] = torch.minimum(cache["lengths"], lengths)
-
-
 def hf_features(model: transformers.PreTrainedModel, ids: list[int], layer_ids: list[int]):
     """HF logits `(T, V)` and concatenated `hidden_states[l + 1]` features `(T, n*H)`."""
     with torch.no_grad():
@@ -134,33 +89,30 @@ def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], max_new_token
     return out[0, len(ids) :].tolist()
 
 
-class OracleDraft(RecordingContext):
-    """Proposes the known greedy continuation with some tokens corrupted.
+@dataclass
+class RecordingOracleContext(OracleContext):
+    """The oracle's committed lengths plus every feature row the engine committed."""
 
-    `continuations[b]` is the full greedy sequence (prompt + output) of batch row `b`; the
-    draft reads the anchor position from its context length, so every acceptance pattern
-    (none, some, all) occurs when the engine commits exactly what greedy decoding commits.
+    features: torch.Tensor  # (B, max_length, n * H)
+
+
+class FeatureRecordingOracle(OracleDraft):
+    """The tools' oracle draft that also keeps the raw features the engine commits.
+
+    Tests read `cache.features` to check exactly what the engine handed to the draft.
     """
 
-    def __init__(self, config: StandInConfig, continuations: list[list[int]], corrupt: float):
-        super().__init__(config)
-        self.continuations = continuations
-        self.corrupt = corrupt
-        self.gen = torch.Generator().manual_seed(1)
+    def new_context_cache(self, batch_size, max_length, *, device=None, dtype=None):  # noqa: ANN001
+        width = self.config.hidden_size * len(self.config.target_layer_ids)
+        features = torch.zeros(batch_size, max_length, width, device=device, dtype=dtype)
+        lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return RecordingOracleContext(lengths=lengths, features=features)
 
-    def propose(
-        self, cache, anchor_ids, temperature=0.0, generator=None, kv_len=None
-    ) -> StandInProposal:
-        width = self.config.block_size - 1
-        rows = []
-        for b in range(anchor_ids.shape[0]):
-            start = int(cache["lengths"][b]) + 1
-            seq = self.continuations[b]
-            row = seq[start : start + width]
-            row = row + [3] * (width - len(row))
-            flip = torch.rand(width, generator=self.gen) < self.corrupt
-            rows.append([(t + 1) % self.config.vocab_size if f else t for t, f in zip(row, flip)])
-        return StandInProposal(tokens=torch.tensor(rows), q=None)
+    def append_context(self, cache, features, counts) -> None:  # noqa: ANN001
+        for b in range(features.shape[0]):
+            start, n = int(cache.lengths[b]), int(counts[b])
+            cache.features[b, start : start + n] = features[b, :n]
+        super().append_context(cache, features, counts)
 
 
 def tiny_draft(hf_model, used_vocab_size: int, seed: int = 0, **overrides):

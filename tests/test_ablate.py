@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.tools.ablation.runner import BUDGET_KEYS
-from scripts.tools.ablation.variants import VARIANTS, select_variants
+from scripts.tools.ablation.records import RunBudget
+from scripts.tools.ablation.variants import ABLATION
 from tests._train_helpers import train_env
 
 # The smoke study (one module fixture) trains and evaluates five variants: slow on a CPU.
@@ -57,7 +57,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 def test_every_variant_trains_and_is_evaluated(smoke: tuple[Path, dict]) -> None:
     out, report = smoke
     rows = report["variants"]
-    assert [r["variant"] for r in rows] == list(VARIANTS)
+    assert [r["variant"] for r in rows] == list(ABLATION.rows)
     for row in rows:
         assert (out / row["variant"] / "final" / "model.safetensors").is_file()
         measured = [(r["bench"], r["temperature"]) for r in row["engine"]]
@@ -71,7 +71,7 @@ def test_every_variant_trains_and_is_evaluated(smoke: tuple[Path, dict]) -> None
         assert 1.0 <= row["simulated"]["tau"] <= BLOCK
         assert row["final_losses"]["loss"] > 0
     trained = [r for r in rows if r["trained"]]
-    assert [r["variant"] for r in trained] == ["dflash", "dspine", "dspine_no_cosine",
+    assert [r["variant"] for r in trained] == ["dflash", "dspine", "dspine_no_alignment",
                                                "dspine_token_ce"]
     # each trained variant has its own run (its own metrics), trained to the end
     for row in trained:
@@ -87,7 +87,7 @@ def test_every_variant_trains_and_is_evaluated(smoke: tuple[Path, dict]) -> None
 def test_same_seed_data_and_steps_for_all(smoke: tuple[Path, dict]) -> None:
     """The budget read back from every run's own saved config is the same for all rows."""
     _, report = smoke
-    budgets = {tuple(row["run"][k] for k in BUDGET_KEYS) for row in report["variants"]}
+    budgets = {RunBudget(**row["run"]).key() for row in report["variants"]}
     assert len(budgets) == 1
     run = report["variants"][0]["run"]
     assert run["steps"] == SMOKE_STEPS and run["seed"] == 0
@@ -112,7 +112,7 @@ def test_variant_switches_reach_the_exports(smoke: tuple[Path, dict]) -> None:
     assert config("dflash")["block_attention"] == "bidirectional"
     assert config("dspine")["injection"] is True and config("dspine")["transition_cache"] is True
     assert config("dspine")["block_attention"] == "causal"
-    assert config("dspine_no_cosine")["alignment_weight"] == 0.0
+    assert config("dspine_no_alignment")["alignment_weight"] == 0.0
     assert config("dspine_token_ce")["token_ce_intermediate"] is True
     assert config("dspine_no_tcache")["transition_cache"] is False
     assert config("dspine_no_tcache")["dspine_config"]["transition_cache"] is False
@@ -138,15 +138,15 @@ def test_variant_switches_reach_training(smoke: tuple[Path, dict]) -> None:
     that does not reach the optimizer leaves the variant's weights equal to dspine's.
     """
     out, _ = smoke
-    runs = {v: _history(out, v) for v in ("dflash", "dspine", "dspine_no_cosine",
+    runs = {v: _history(out, v) for v in ("dflash", "dspine", "dspine_no_alignment",
                                           "dspine_token_ce")}
-    full, no_cos, tok_ce, dflash = (runs[v][1] for v in ("dspine", "dspine_no_cosine",
+    full, no_cos, tok_ce, dflash = (runs[v][1] for v in ("dspine", "dspine_no_alignment",
                                                          "dspine_token_ce", "dflash"))
     for row in (no_cos, tok_ce):
         for term in ("backbone_ce", "backbone_l1", "refine_ce", "refine_l1",
                      "candidate_coverage", "supervised_slots"):
             assert row[term] == full[term], term
-    # dspine's loss = dspine_no_cosine's + beta * CE * alignment (METHOD 2.3)
+    # dspine's loss = dspine_no_alignment's + beta * CE * alignment (METHOD 2.3)
     alignment = full["alignment_beta"] * full["backbone_ce"] * full["alignment"]
     assert alignment > 0.1
     assert full["loss"] - no_cos["loss"] == pytest.approx(alignment, rel=1e-5)
@@ -260,7 +260,7 @@ def test_report_has_one_row_per_variant(smoke: tuple[Path, dict]) -> None:
     text = (out / "ablation.md").read_text()
     main_table = text.split("\n\n")[3].splitlines()  # title, bullets, legend, then the table
     assert main_table[0].startswith("| variant | trained |")
-    assert [line.split("|")[1].strip() for line in main_table[2:]] == [f"`{v}`" for v in VARIANTS]
+    assert [line.split("|")[1].strip() for line in main_table[2:]] == [f"`{v}`" for v in ABLATION.rows]
     assert report["meta"]["git_commit"] in text
     assert "scripts/ablate.py --smoke --out" in text
     assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -269,7 +269,7 @@ def test_report_has_one_row_per_variant(smoke: tuple[Path, dict]) -> None:
 @SLOW
 def test_rerun_skips_finished_variants(smoke: tuple[Path, dict]) -> None:
     out, _ = smoke
-    exports = {v: out / v / "final" / "model.safetensors" for v in VARIANTS if v != "dspine_no_tcache"}
+    exports = {v: out / v / "final" / "model.safetensors" for v in ABLATION.rows if v != "dspine_no_tcache"}
     before = {v: p.stat().st_mtime_ns for v, p in exports.items()}
     # Naming the feature cache explicitly and a report stem with dots of its own ("qwen2.5")
     # must not change what is reused; the report keeps the whole stem and records the paths.
@@ -282,7 +282,7 @@ def test_rerun_skips_finished_variants(smoke: tuple[Path, dict]) -> None:
     assert stem.with_name(stem.name + ".md").is_file()
     for variant in exports:
         assert f"[ablate] {variant}: export exists, skipping training" in proc.stdout
-    for variant in VARIANTS:
+    for variant in ABLATION.rows:
         assert f"[ablate] {variant}: evaluation exists, skipping" in proc.stdout
     assert {v: p.stat().st_mtime_ns for v, p in exports.items()} == before
 
@@ -306,9 +306,9 @@ def _ablate_module():
 
 def test_unknown_variant_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown variant.*'dspine_nope'"):
-        select_variants(["dspine_nope"])
+        ABLATION.select(["dspine_nope"])
     # a derived variant brings the variant it reuses
-    assert [v.name for v in select_variants(["dspine_no_tcache"])] == ["dspine",
+    assert [v.name for v in ABLATION.select(["dspine_no_tcache"])] == ["dspine",
                                                                        "dspine_no_tcache"]
     ablate = _ablate_module()
     with pytest.raises(SystemExit) as exit_info:
@@ -335,13 +335,13 @@ def test_a_foreign_folder_of_a_derived_variant_is_refused_before_training(
         (export / "config.json").write_text("{}")
 
     monkeypatch.setattr(runner, "run_logged", fake_train)
-    settings = runner.AblationSettings(out_dir=tmp_path / "ablation", recipe="tiny", steps=8)
+    settings = runner.StudySettings(out_dir=tmp_path / "ablation", recipe="tiny", steps=8)
     foreign = settings.out_dir / "dspine_no_tcache"
     (foreign / "final").mkdir(parents=True)
     (foreign / "final" / "config.json").write_text('{"mine": true}')
     (foreign / "final" / "model.safetensors").write_bytes(b"my weights")
-    with pytest.raises(runner.AblationError) as err:
-        runner.prepare_variants(settings, select_variants(["dspine_no_tcache"]))
+    with pytest.raises(runner.StudyError) as err:
+        runner.prepare_variants(settings, ABLATION.select(["dspine_no_tcache"]))
     (line,) = str(err.value).splitlines()
     assert str(foreign) in line and "did not write" in line
     assert ran == []  # nothing trained

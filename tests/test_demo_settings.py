@@ -120,3 +120,26 @@ def test_an_unknown_stage_is_refused_by_flag_before_any_work(
     assert f"{flag}: unknown stage(s) ['evaluat']" in err
     assert all(stage in err for stage in demo.STAGES)  # the stages it knows are listed
     assert not out.exists()
+
+
+def test_a_stage_record_is_read_back_and_an_unreadable_one_reruns_the_stage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished stage is skipped on the next run with the record it wrote; a record of another
+    shape (another demo version, a hand edit) counts as not done: the stage runs again."""
+    d = _demo(tmp_path)
+    calls = []
+    monkeypatch.setitem(demo.STAGE_FUNCS, "target", lambda _: calls.append(1) or {"run_id": "t1"})
+    record, ran = demo.run_stage(d, "target", False)
+    assert ran and record.run_id == "t1" and demo.Demo.marker(d, "target") == record
+    path = d.stages_dir / "target.json"
+    assert json.loads(path.read_text())["summary"] == {}
+    path.write_text(json.dumps({"stage": "target", "seconds": 1.0}))  # no fingerprint, no run
+    assert d.marker("target") is None
+    monkeypatch.setitem(demo.STAGE_FUNCS, "prompts", lambda _: {"prompts": 2})
+    with pytest.raises(demo.DemoError, match="needs stage target"):
+        demo.run_stage(d, "prompts", False)
+    record, ran = demo.run_stage(d, "target", False)  # "target" always checks; it ran again
+    assert ran and len(calls) == 2
+    first, ran = demo.run_stage(d, "prompts", False)
+    again, ran_again = demo.run_stage(d, "prompts", False)
+    assert ran and not ran_again and again == first and first.summary == {"prompts": 2}

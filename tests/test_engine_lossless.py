@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _engine_helpers import (
-    OracleDraft,
-    StandInConfig,
+    FeatureRecordingOracle,
     build_tiny_target,
     build_tokenizer,
     hf_features,
@@ -17,8 +16,19 @@ from _engine_helpers import (
 from scipy.stats import chisquare
 
 from dspine_train.engine import Engine, load_target
+from scripts.tools.bench.oracle_draft import OracleDraft, OracleDraftConfig
 
 NEW = 24  # new tokens per prompt in the greedy tests
+
+
+def _oracle(sequences: list[list[int]], corrupt: float, kind: type[OracleDraft] = OracleDraft):
+    """An oracle draft (block 8) following `sequences`, a fixed share `corrupt` of its
+    proposals changed; every acceptance pattern (none, some, all of a block) occurs."""
+    config = OracleDraftConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256,
+                               hidden_size=64)
+    draft = kind(config, max_batch_size=len(sequences), max_length=96, corrupt=corrupt)
+    draft.set_sequences(sequences)
+    return draft
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +106,9 @@ def test_every_acceptance_pattern_commits_the_right_tokens(world, corrupt):
     """An oracle proposer (true continuation, some tokens corrupted): none/some/all accepted."""
     prompts = world["prompts"][:4]
     full = [p + r for p, r in zip(prompts, world["reference"][:4])]
-    config = StandInConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256, hidden_size=64)
     target = load_target(world["root"] / "target")
     engine = Engine(
-        target, OracleDraft(config, full, corrupt), None, max_batch_size=4, max_seq_len=96
+        target, _oracle(full, corrupt), None, max_batch_size=4, max_seq_len=96
     )
     result = engine.generate(prompts, max_new_tokens=NEW)
     assert result.token_ids == world["reference"][:4]
@@ -116,8 +125,7 @@ def test_tau_counts_the_tokens_kept_not_those_the_budget_cut(world, max_new_toke
     its budget allows, and tau / per-position acceptance count what was kept."""
     prompts = world["prompts"][:2]
     full = [p + r for p, r in zip(prompts, world["reference"][:2])]
-    config = StandInConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256, hidden_size=64)
-    engine = Engine(load_target(world["root"] / "target"), OracleDraft(config, full, 0.0), None,
+    engine = Engine(load_target(world["root"] / "target"), _oracle(full, 0.0), None,
                     max_batch_size=2, max_seq_len=96)
     result = engine.generate(prompts, max_new_tokens=max_new_tokens)
     assert result.token_ids == [r[:max_new_tokens] for r in world["reference"][:2]]
@@ -137,9 +145,10 @@ class ScriptedDraft(OracleDraft):
     """The true continuation with round i's first wrong token at slot `leading[i]` (7: none),
     so every round's acceptance is known in advance; `planned` records what each round got."""
 
-    def __init__(self, config, continuations, leading):
-        super().__init__(config, continuations, 0.0)
-        self.leading, self.planned = leading, []
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.leading: list[int] = []  # the script, set by the test
+        self.planned: list[int] = []
 
     def propose(self, cache, anchor_ids, temperature=0.0, generator=None, kv_len=None):
         proposal = super().propose(cache, anchor_ids, temperature, generator)
@@ -157,8 +166,8 @@ def test_acceptance_statistics_equal_a_scripted_outcome(world):
     prompt = world["prompts"][0]
     full = prompt + hf_greedy(world["hf"], prompt, NEW + 8)  # the truth past the last block too
     leading = [7, 0, 3, 7, 1, 5, 2, 6]
-    config = StandInConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256, hidden_size=64)
-    draft = ScriptedDraft(config, [full], leading)
+    draft = _oracle([full], 0.0, ScriptedDraft)
+    draft.leading = leading
     engine = Engine(load_target(world["root"] / "target"), draft, None, max_batch_size=1,
                     max_seq_len=96)
     result = engine.generate([prompt], max_new_tokens=NEW)
@@ -277,16 +286,15 @@ def test_draft_context_holds_the_target_features_of_every_committed_position(wor
     """The draft sees exactly the target's features of the committed prefix, none of rejects."""
     prompts = world["prompts"][:4]
     full = [p + r for p, r in zip(prompts, world["reference"][:4])]
-    config = StandInConfig(block_size=8, target_layer_ids=[1, 3], vocab_size=256, hidden_size=64)
     engine = Engine(
         load_target(world["root"] / "target"),
-        OracleDraft(config, full, corrupt=0.3),
+        _oracle(full, 0.3, FeatureRecordingOracle),
         None,
         max_batch_size=4,
         max_seq_len=96,
     )
     result = engine.generate(prompts, max_new_tokens=NEW)
-    features = engine.draft_cache["features"]
+    features = engine.draft_cache.features
     for b, (prompt, new) in enumerate(zip(prompts, result.token_ids)):
         # Every committed position but the last token (it has not been through the target).
         length = len(prompt) + len(new) - 1

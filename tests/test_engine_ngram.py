@@ -12,7 +12,15 @@ from test_engine_tree import _reference_tree
 from dspine_train.engine import Engine
 from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.ngram import NgramConfig, NgramIndex, pack_proposals
-from dspine_train.engine.round_planner import RoundCosts, RoundPlanner, RoundShape
+from dspine_train.engine.prompts import SequenceState
+from dspine_train.engine.round_planner import (
+    PRIOR_TOKENS,
+    PRIOR_WEIGHT,
+    RoundCosts,
+    RoundPlanner,
+    RoundShape,
+)
+from dspine_train.engine.round_results import ProposalLedger
 from dspine_train.engine.token_tree import hybrid_tree
 
 NEW = 24
@@ -125,6 +133,27 @@ def test_planner_retries_the_draft():
     non_adaptive = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
     non_adaptive.adaptive = False
     assert non_adaptive.choose([0]).name == "hybrid"
+
+
+def test_ledger_scores_proposals_against_what_the_sequence_commits():
+    """A proposal is scored on the tokens committed after it, even by plain steps that verified
+    none of it; a sequence that ends first drops what it cannot score."""
+    planner = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
+    ledger = ProposalLedger(planner, 2)
+    states = [SequenceState(10, (), None), SequenceState(2, (), None)]
+    for state in states:
+        state.extend([4], ends_with_eos=False)
+    ledger.propose(0, 1, "ngram", 2, [5, 6, 7])
+    ledger.propose(0, 1, "draft", 0, [5, 9])
+    ledger.propose(1, 1, "ngram", 2, [5, 6, 7])
+    for token in (5, 6, 8):  # three plain steps, one token each
+        for b, state in enumerate(states):
+            if not state.done:
+                state.extend([token], ends_with_eos=False)
+            ledger.settle(b, state)
+    assert planner._ngram[2].total == PRIOR_TOKENS * PRIOR_WEIGHT + 2  # 5, 6 matched; 7 did not
+    assert planner._ngram[2].count == PRIOR_WEIGHT + 1  # row 1 ended after 5: not scored
+    assert planner._draft.total == PRIOR_TOKENS * PRIOR_WEIGHT + 1
 
 
 # ----------------------------------------------------------------------------- the engine

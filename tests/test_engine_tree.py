@@ -15,8 +15,8 @@ from _engine_helpers import (
 )
 
 from dspine_train.engine import Engine, load_target
-from dspine_train.engine.engine import _Sampler
 from dspine_train.engine.errors import GenerationInputError
+from dspine_train.engine.sampling import Sampler
 from dspine_train.engine.stats import StepTimer
 from dspine_train.engine.token_tree import build_tree, greedy_indices, top_paths
 from dspine_train.engine.tree_verify import greedy_tree_accept, sampled_tree_accept
@@ -233,7 +233,7 @@ def test_tree_of_one_path_is_the_chain(world, monkeypatch):
 def test_tree_never_accepts_fewer_tokens_than_the_chain(world):
     engine = _engine(world, max_batch_size=1, tree_paths=4, tree_nodes=12)
     g = engine.block_size - 1
-    sampler = _Sampler(0.0, 1.0, torch.Generator().manual_seed(0))
+    sampler = Sampler(0.0, 1.0, torch.Generator().manual_seed(0))
     timer = StepTimer(engine.device)
     chain_counts, tree_counts = [], []
     # States: prefixes of the target's own continuations, so acceptance varies.

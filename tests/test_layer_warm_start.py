@@ -92,10 +92,10 @@ def test_warm_start_layers_with_init_from_is_refused(world, tmp_path):
 
 
 def test_the_study_variant_composes():
-    from scripts.tools.ablation.study_variants import STUDY_VARIANTS
+    from scripts.tools.ablation.variants import VARIANTS
 
     config = compose_train_config("recipe=qwen2.5_coder_0.5b",
-                                  *STUDY_VARIANTS["dspine_warm_start"].hydra_overrides())
+                                  *VARIANTS["dspine_warm_start"].hydra_overrides())
     assert config.model.warm_start_layers == [22, 23]
 
 

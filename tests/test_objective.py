@@ -154,6 +154,8 @@ def _reference_objective(draft, target, ids, loss_mask, anchors, anchor_mask, ou
                 scores = draft.norm(refined) @ head[cand].T  # (K,)
                 if label in cand:
                     add("refine_ce", -torch.log_softmax(scores, -1)[cand.index(label)], w)
+                elif cfg.refine_normalization == "supervised":  # an uncovered slot adds zero
+                    add("refine_ce", 0.0, w)
                 p_cand = p_target[cand]
                 if p_cand.sum() > cfg.distill_mass_threshold:
                     diff = torch.softmax(scores, -1) - p_cand / p_cand.sum()
@@ -184,7 +186,8 @@ def _forward_for_reference(draft, target, ids, loss_mask, seed=0):
 
 
 SETTINGS = [{}, {"ce_weight": 0.6}, {"loss_gamma": 1.5}, {"candidate_k": 3},
-            {"alignment_warmup_steps": 400}, {"alignment_layer_reduction": "mean"}]
+            {"alignment_warmup_steps": 400}, {"alignment_layer_reduction": "mean"},
+            {"refine_normalization": "supervised"}]
 
 
 @pytest.mark.parametrize("fields", SETTINGS, ids=[",".join(f) or "defaults" for f in SETTINGS])
@@ -192,7 +195,8 @@ def test_objective_equals_a_slot_by_slot_computation_of_the_spec(target, fields)
     """Labels, p_target positions, supervision cuts, refinement and alignment features, each
     checked against `_reference_objective` (not against the metrics the objective returns),
     at the defaults and with each objective setting moved: c, gamma, K, the alignment's
-    warm-up (beta at step 200 of 400) and its reduction over layers."""
+    warm-up (beta at step 200 of 400), its reduction over layers and the refinement CE's
+    normalisation (over covered slots, or over every supervised slot as SpecForge)."""
     ids, loss_mask = _batch()
     loss_mask[0, 14] = loss_mask[1, 10] = 0  # one-token gaps: blocks that run over them are cut
     draft = tiny_draft(target, **fields)
@@ -211,31 +215,27 @@ def test_objective_equals_a_slot_by_slot_computation_of_the_spec(target, fields)
                                dtype=torch.double), rtol=1e-4, atol=1e-5)
 
 
-def test_switches_change_the_objective(target):
+def test_switched_off_terms_leave_exactly_the_token_ce(target):
+    """distill off, no refinement, no alignment: the loss is the reference's label CE alone;
+    the intermediate-layer CE switched on adds exactly its own term."""
     ids, loss_mask = _batch()
     draft = tiny_draft(target)
     randomise_injection(draft)
     draft.config.distill = False
     draft.config.refine_weight = 0.0
     draft.config.alignment_weight = 0.0
-    try:
-        final, anchors, mask, out = _forward_for_reference(draft, target, ids, loss_mask)
-        ce_only, m2 = dspine_loss(draft, out, final, loss_mask, anchors, mask, step=200)
-        with torch.no_grad():
-            ref = _reference_objective(draft, target, ids, loss_mask, anchors, mask, out, 200)
-        torch.testing.assert_close(ce_only.detach().double(),
-                                   torch.tensor(ref["backbone_ce"], dtype=torch.double),
-                                   rtol=1e-4, atol=1e-5)
-        assert "refine_ce" not in m2 and "alignment" not in m2
-        draft.config.token_ce_intermediate = True
-        with_inter, m3 = _loss(draft, target, ids, loss_mask)
-        assert m3["token_ce_intermediate"] > 0
-        torch.testing.assert_close(with_inter.detach(), m3["backbone_ce"] + m3["token_ce_intermediate"])
-    finally:
-        draft.config.distill = True
-        draft.config.refine_weight = 1.0
-        draft.config.alignment_weight = 0.5
-        draft.config.token_ce_intermediate = False
+    final, anchors, mask, out = _forward_for_reference(draft, target, ids, loss_mask)
+    ce_only, m2 = dspine_loss(draft, out, final, loss_mask, anchors, mask, step=200)
+    with torch.no_grad():
+        ref = _reference_objective(draft, target, ids, loss_mask, anchors, mask, out, 200)
+    torch.testing.assert_close(ce_only.detach().double(),
+                               torch.tensor(ref["backbone_ce"], dtype=torch.double),
+                               rtol=1e-4, atol=1e-5)
+    assert "refine_ce" not in m2 and "alignment" not in m2
+    draft.config.token_ce_intermediate = True
+    with_inter, m3 = _loss(draft, target, ids, loss_mask)
+    assert m3["token_ce_intermediate"] > 0
+    torch.testing.assert_close(with_inter.detach(), m3["backbone_ce"] + m3["token_ce_intermediate"])
 
 
 def test_loss_goes_down_when_training(target):

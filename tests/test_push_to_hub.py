@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -245,6 +246,16 @@ def test_card_holds_no_local_absolute_paths(tmp_path, hf_env):
     assert hub.public_text("see https://hf.co/org/x and org/y, 3/4") == (
         "see https://hf.co/org/x and org/y, 3/4"
     )
+
+
+def test_a_metric_holding_a_pipe_keeps_its_row_of_the_card(tmp_path, hf_env):
+    """A `|` in an eval_results value must not split the card's metric row into 3 cells."""
+    export = make_export(tmp_path / "export")
+    (export / "eval_results.json").write_text(
+        json.dumps({"acceptance_length": 3.0, "prompts": "chat | code"}))
+    text = hub.render_model_card(hub.validate_export(export), repo_id="org/name")
+    row = next(line for line in text.splitlines() if line.startswith("| prompts |"))
+    assert re.split(r"(?<!\\)\|", row.strip()[1:-1]) == [" prompts ", " chat \\| code "]
 
 
 def _local_target_export(tmp_path: Path) -> tuple[Path, Path]:

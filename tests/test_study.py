@@ -1,5 +1,5 @@
-"""The training study's runner (`scripts.tools.ablation.study`): variant checks, skip/resume,
-session wall time, the wall-time plan, and the report writer - on tiny configs, no training."""
+"""The study stack (`scripts.tools.ablation`): variant checks, skip/resume, session wall time,
+the wall-time plan, typed records and the report writer - on tiny configs, no training."""
 
 from __future__ import annotations
 
@@ -15,28 +15,25 @@ import pytest
 from dspine_train.evaluation.block_metrics import BlockResults, paired_difference
 from dspine_train.training.config import compose_train_config
 from dspine_train.training.memory_plan.for_recipe import plan_draft_config
-from scripts.tools.ablation import runner, study
-from scripts.tools.ablation.runner import AblationError
-from scripts.tools.ablation.study import (
+from scripts.tools.ablation import runner, study, study_plan
+from scripts.tools.ablation.records import Evaluation, StudyRecord
+from scripts.tools.ablation.runner import (
     StudyError,
     StudySettings,
-    check_variant_overrides,
     finished_result,
-    paired_by_step,
-    seconds_per_step,
-    train_with_sessions,
+    train_variant,
     training_wall_s,
 )
+from scripts.tools.ablation.study import check_variant_overrides, paired_by_step
+from scripts.tools.ablation.study_plan import seconds_per_step
 from scripts.tools.ablation.study_report import (
     conditional_acceptance,
     target_title,
     write_study_report,
 )
-from scripts.tools.ablation.study_variants import (
-    STUDY_VARIANTS,
-    StudyVariant,
-    select_study_variants,
-)
+from scripts.tools.ablation.variants import ABLATION, STUDY, VARIANTS, Variant
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_settings(tmp_path: Path, tiny_assets: dict | None = None, **kw) -> StudySettings:
@@ -53,8 +50,8 @@ def test_a_variant_with_an_unknown_key_fails_by_name_before_training(
     trained = []
     monkeypatch.setattr(runner, "run_logged", lambda *a, **k: trained.append(a))
     settings = tiny_settings(tmp_path, tiny_assets)
-    good = StudyVariant("good", "", ("model.alignment_weight=0.0",))
-    bad = StudyVariant("not_merged", "", ("model.no_such_setting=1",))
+    good = Variant("good", "", ("model.alignment_weight=0.0",))
+    bad = Variant("not_merged", "", ("model.no_such_setting=1",))
     check_variant_overrides(settings, [good])  # a real key passes
     with pytest.raises(StudyError) as err:
         study.run_study(settings, [good, bad], target=str(tiny_assets["target"]))
@@ -66,15 +63,15 @@ def test_a_variant_with_an_unknown_key_fails_by_name_before_training(
 
 def test_each_variant_composes_to_a_draft_that_differs_where_it_says(tmp_path: Path) -> None:
     """What `train.py` composes from a variant's arguments: the change the variant names."""
-    names = [v.name for v in select_study_variants(None)]
+    names = [v.name for v in STUDY.select(None)]
     assert names[0] == "dspine" and "dflash" in names and "dspine_specforge" in names
     assert "dspine_warm_start" not in names and "dspine_fp32" not in names  # optional: by name
     with pytest.raises(ValueError, match="unknown variant"):
-        select_study_variants(["nope"])
+        STUDY.select(["nope"])
     settings = tiny_settings(tmp_path)
 
     def composed(name: str):
-        config = compose_train_config(*settings.train_arguments(STUDY_VARIANTS[name]))
+        config = compose_train_config(*settings.train_arguments(VARIANTS[name]))
         return config, plan_draft_config(config)
 
     base_config, base = composed("dspine")
@@ -84,17 +81,98 @@ def test_each_variant_composes_to_a_draft_that_differs_where_it_says(tmp_path: P
     assert dflash.block_attention == "bidirectional" != base.block_attention
     assert config.data == base_config.data and config.optim == base_config.optim
     for name in names[1:]:  # every variant changes the run it is compared with
-        config = compose_train_config(*settings.train_arguments(STUDY_VARIANTS[name]))
+        config = compose_train_config(*settings.train_arguments(VARIANTS[name]))
         assert config.output_dir != base_config.output_dir, name  # a folder of its own
         assert dataclasses.replace(config, output_dir=base_config.output_dir) != base_config, name
 
 
-def test_train_arguments_resume_evaluate_and_checkpoint(tmp_path: Path) -> None:
-    settings = tiny_settings(tmp_path, eval_every=250, checkpoint_every=250)
-    args = settings.train_arguments(STUDY_VARIANTS["dflash"])
-    assert "checkpoint.resume_from=latest" in args and "eval.every=250" in args
-    assert "eval.every_block=true" in args and "checkpoint.every=250" in args
-    assert args[-1] == "model.method=dflash"  # the variant's overrides win
+def test_each_variant_has_one_name_and_both_studies_pick_from_the_registry() -> None:
+    """No two registered variants train (or decode) the same thing under two names."""
+    seen: dict[tuple, str] = {}
+    for variant in VARIANTS.values():
+        key = (frozenset(variant.overrides), variant.reuse)
+        assert key not in seen, f"{variant.name} is {seen.get(key)} again"
+        seen[key] = variant.name
+    for rows in (ABLATION, STUDY):
+        assert set(rows.rows) <= set(VARIANTS) and set(rows.optional) <= set(rows.rows)
+        assert all(VARIANTS[n].reuse in rows.rows for n in rows.rows if VARIANTS[n].reuse)
+    assert [v.name for v in ABLATION.select(["dspine_no_tcache"])] == ["dspine",
+                                                                       "dspine_no_tcache"]
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if VARIANTS[n].switches()])
+def test_a_variants_overrides_change_the_composed_field(name: str, tmp_path: Path) -> None:
+    """Every `model.<field>` a variant sets is the field `train.py` composes (and a change
+    from the reference's); a derived variant's are what its `config.json` is given."""
+    settings = tiny_settings(tmp_path)
+    base = compose_train_config(*settings.train_arguments(VARIANTS["dspine"]))
+    variant = VARIANTS[name]
+    config = compose_train_config(*settings.train_arguments(variant))
+    for key, value in variant.switches().items():
+        composed = getattr(config.model, key)
+        assert getattr(composed, "value", composed) == value, key
+        assert composed != getattr(base.model, key), key
+
+
+def test_a_run_resumes_evaluates_and_checkpoints_as_set(tmp_path: Path) -> None:
+    """What the runs are given reaches the composed config; the variant's overrides win over
+    the shared ones."""
+    settings = StudySettings(out_dir=tmp_path, recipe="tiny", steps=12, eval_every=5,
+                             checkpoint_every=3, eval_max_blocks=64,
+                             overrides=["model.alignment_weight=0.5"])
+    config = compose_train_config(*settings.train_arguments(VARIANTS["dspine_no_alignment"]))
+    assert (config.optim.max_steps, config.eval.every, config.eval.max_blocks) == (12, 5, 64)
+    assert config.eval.every_block and config.checkpoint.every == 3
+    assert config.checkpoint.resume_from == "latest"
+    assert config.model.alignment_weight == 0.0
+    assert config.model.token_table_path is None  # each run builds its own table
+    shared = dataclasses.replace(settings, token_table=tmp_path / "table.safetensors")
+    config = compose_train_config(*shared.train_arguments(VARIANTS["dspine"]))
+    assert config.model.token_table_path == str(tmp_path / "table.safetensors")
+    assert config.model.alignment_weight == 0.5
+
+
+def test_an_evaluation_is_reused_for_the_same_request_and_redone_for_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from scripts.tools.ablation import simulated
+
+    monkeypatch.setattr(simulated, "load_run_config", lambda path: None)
+    monkeypatch.setattr(simulated, "simulated_acceptance", lambda export, config: None)
+    settings = tiny_settings(tmp_path)
+    variant = VARIANTS["dspine"]
+    fake_export(settings.run_dir(variant))
+    calls: list[Path] = []
+
+    def engine(export: Path) -> list[dict]:
+        calls.append(export)
+        return [{"bench": "humaneval", "temperature": 0.0, "tau": 1.5}]
+
+    first = runner.evaluate_variant(settings, variant, engine)
+    assert first.engine[0]["tau"] == 1.5 and calls == [settings.export_dir(variant)]
+    assert runner.evaluate_variant(settings, variant, engine) == first  # read back, not rerun
+    assert len(calls) == 1
+    more = dataclasses.replace(settings, limit=settings.limit + 1)
+    assert runner.evaluate_variant(more, variant, engine).request["limit"] == more.limit
+    assert len(calls) == 2  # another request: evaluated again
+    os.utime(settings.export_dir(variant) / "model.safetensors", ns=(1, 1))
+    runner.evaluate_variant(more, variant, engine)
+    assert len(calls) == 3  # other weights: evaluated again
+
+
+def test_the_committed_study_report_is_rewritten_from_its_archive_unchanged(
+        tmp_path: Path) -> None:
+    """The typed records read the archive committed under docs/results and write the same
+    report, byte for byte."""
+    results = REPO / "docs" / "results"
+    committed = {suffix: results / f"study_qwen2.5-coder-0.5b_2026-12-02.{suffix}"
+                 for suffix in ("md", "json")}
+    archive = results / "study_qwen2.5-coder-0.5b" / "variants"
+    (tmp_path / "report.json").write_bytes(committed["json"].read_bytes())
+    md, js, _ = study.rewrite_report(archive, tmp_path / "report")
+    assert js.read_text() == committed["json"].read_text()
+    assert md.read_text() == committed["md"].read_text()
+    first = json.loads((archive / "dflash" / study.RECORD_FILE).read_text())
+    assert StudyRecord.from_json(first).to_json() == first
 
 
 def fake_export(run_dir: Path) -> None:
@@ -113,11 +191,11 @@ def test_finished_variants_are_skipped_and_a_killed_one_resumes(
 
     monkeypatch.setattr(runner, "run_logged", fake_run)
     settings = tiny_settings(tmp_path)
-    done, killed, fresh = (StudyVariant(n, n) for n in ("done", "killed", "fresh"))
+    done, killed, fresh = (Variant(n, n) for n in ("done", "killed", "fresh"))
     # "done": exported before; "killed": a complete checkpoint at step 8, no export
-    train_with_sessions(settings, done)
+    train_variant(settings, done)
     assert len(calls) == 1
-    train_with_sessions(settings, done)
+    train_variant(settings, done)
     assert len(calls) == 1  # skipped: its export exists
     # the study's own folder (its request.json is written before training starts)
     runner.claim_run_dir(settings.run_dir(killed), settings.train_arguments(killed))
@@ -125,18 +203,18 @@ def test_finished_variants_are_skipped_and_a_killed_one_resumes(
     ckpt.mkdir(parents=True)
     (ckpt / "train_state.json").write_text(json.dumps({"step": 8}))
     plan = {"killed": {"s_per_step": 2.0}, "fresh": {"s_per_step": 1.0}}
-    lines = study.plan_lines(settings, [killed, fresh], plan)
+    lines = study_plan.plan_lines(settings, [killed, fresh], plan)
     assert "4 steps left" in lines[1] and "12 steps left" in lines[2]  # 12 steps, 8 done
-    train_with_sessions(settings, killed)
+    train_variant(settings, killed)
     assert "resuming at step 8" in capsys.readouterr().out
     assert "checkpoint.resume_from=latest" in calls[-1]
-    train_with_sessions(settings, fresh)
+    train_variant(settings, fresh)
     sessions = json.loads((settings.run_dir(fresh) / "sessions.json").read_text())
     assert len(sessions) == 1 and sessions[0]["end"] >= sessions[0]["start"]
     # a result counts only for the export it evaluated
     export = settings.export_dir(done) / "model.safetensors"
-    result = {"weights_mtime_ns": export.stat().st_mtime_ns, "simulated": {}}
-    (settings.run_dir(done) / "result.json").write_text(json.dumps(result))
+    result = Evaluation(export.stat().st_mtime_ns, {}, [])
+    (settings.run_dir(done) / "result.json").write_text(json.dumps(result.to_json()))
     assert finished_result(settings, done) == result
     os.utime(export, ns=(1, 1))
     assert finished_result(settings, done) is None
@@ -162,13 +240,13 @@ def test_a_new_session_closes_the_killed_one_at_its_last_metrics_line(
     monkeypatch.setattr(runner, "run_logged", lambda args, *a, **k: (
         fake_export(Path(next(x for x in args if x.startswith("output_dir="))[11:]))))
     settings = tiny_settings(tmp_path)
-    variant = StudyVariant("v", "v")
+    variant = Variant("v", "v")
     run_dir = settings.run_dir(variant)
     runner.claim_run_dir(run_dir, settings.train_arguments(variant))  # the study's own folder
     (run_dir / "sessions.json").write_text(json.dumps([{"start": 1000.0, "end": None}]))
     (run_dir / "metrics.jsonl").write_text("{}\n")
     os.utime(run_dir / "metrics.jsonl", (1300.0, 1300.0))
-    train_with_sessions(settings, variant)
+    train_variant(settings, variant)
     sessions = json.loads((run_dir / "sessions.json").read_text())
     assert sessions[0] == {"start": 1000.0, "end": 1300.0, "killed": True}
     assert len(sessions) == 2 and sessions[1]["end"] is not None
@@ -189,21 +267,22 @@ def blocks(accepted: list[int]) -> BlockResults:
                         accepted=accepted, block_size=4)
 
 
-def record(name: str, result: BlockResults, reference: BlockResults | None) -> dict:
-    rec = {"variant": name, "description": name, "overrides": [], "steps": 12, "seed": 0,
-           "batch_size": 2, "block_size": 4, "train_wall_s": 7200.0, "sessions": 2,
-           "final_losses": {"loss": 2.5, "candidate_coverage": 0.8},
-           "curve": [{"step": 6, "tau": 1.2, "tau_se": 0.1, "tau_se_row": 0.2,
-                      "train": {"loss": 3.0, "candidate_coverage": 0.5}},
-                     {"step": 12, "tau": result.tau, "tau_se": result.tau_se,
-                      "tau_se_row": result.tau_se_row}],
-           "simulated": result.summary(),
-           "engine": [{"bench": "humaneval", "temperature": 0.0, "tau": 1.5, "num_prompts": 20,
-                       "new_tokens": 1280, "lossless": True, "speedup": 1.1,
-                       "tokens_per_s_spec": 9.0}]}
+def record(name: str, result: BlockResults, reference: BlockResults | None) -> StudyRecord:
+    rec = StudyRecord(
+        variant=name, description=name, overrides=[], steps=12, seed=0, batch_size=2,
+        block_size=4, train_wall_s=7200.0, sessions=2,
+        final_losses={"loss": 2.5, "candidate_coverage": 0.8},
+        curve=[{"step": 6, "tau": 1.2, "tau_se": 0.1, "tau_se_row": 0.2,
+                "train": {"loss": 3.0, "candidate_coverage": 0.5}},
+               {"step": 12, "tau": result.tau, "tau_se": result.tau_se,
+                "tau_se_row": result.tau_se_row}],
+        simulated=result.summary(),
+        engine=[{"bench": "humaneval", "temperature": 0.0, "tau": 1.5, "num_prompts": 20,
+                 "new_tokens": 1280, "lossless": True, "speedup": 1.1,
+                 "tokens_per_s_spec": 9.0}])
     if reference is not None:
-        rec["paired_vs_reference"] = paired_difference(result, reference)
-        rec["paired_curve"] = {"12": paired_difference(result, reference)}
+        rec.paired_vs_reference = paired_difference(result, reference)
+        rec.paired_curve = {"12": paired_difference(result, reference)}
     return rec
 
 
@@ -216,8 +295,8 @@ def table_row(text: str, variant: str) -> list[str]:
 def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     ref, dflash = blocks([3, 2, 1, 2, 0, 1]), blocks([1, 1, 0, 2, 0, 0])
     records = [record("dspine", ref, None), record("dflash", dflash, ref)]
-    records[1].update(steps=24, train_wall_s=5400.0, final_losses={"loss": 3.25,
-                                                                   "candidate_coverage": 0.4})
+    records[1] = dataclasses.replace(records[1], steps=24, train_wall_s=5400.0,
+                                     final_losses={"loss": 3.25, "candidate_coverage": 0.4})
     meta = {"command": "python scripts/study.py run", "commit": "abc123", "dirty": False,
             "machine": {"cpu": "test"}, "date": "2026-12-02",
             "plan": {"dspine": {"s_per_step": 1.5}, "dflash": {"s_per_step": 1.0}},
@@ -234,13 +313,13 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     assert f"{diff['diff']:+.4f} ± {diff['se']:.4f} ({diff['se_row']:.4f})" in text
     # each variant's row shows the numbers of its own record
     for rec, result in zip(records, (ref, dflash)):
-        cells = table_row(text, rec["variant"])
-        assert int(cells[1]) == rec["steps"]
-        assert float(cells[2].removesuffix(" h")) == rec["train_wall_s"] / 3600
+        cells = table_row(text, rec.variant)
+        assert int(cells[1]) == rec.steps
+        assert float(cells[2].removesuffix(" h")) == rec.train_wall_s / 3600
         assert int(cells[3]) == len(result.accepted)
         assert float(cells[4].split(" ± ")[0]) == pytest.approx(result.tau, abs=5e-4)
-        assert float(cells[7]) == rec["final_losses"]["candidate_coverage"]
-        assert float(cells[8]) == rec["final_losses"]["loss"]
+        assert float(cells[7]) == rec.final_losses["candidate_coverage"]
+        assert float(cells[8]) == rec.final_losses["loss"]
     assert "bfloat16" in text and "abc123" in text and "python scripts/study.py run" in text
     assert text.startswith("# Training study on the target (2026-12-02)")  # no target recorded
     assert "misses the aim of 1.6" not in text and "DSpine / DFlash" in text
@@ -290,17 +369,17 @@ def test_finished_variants_are_archived_and_a_new_session_skips_them(
         blocks(per_block[variant.name]).save(
             settings.run_dir(variant) / study.EVAL_BLOCKS_DIR / "step0000006.npz")
 
-    def fake_evaluate(settings, variant, target):
+    def fake_evaluate(settings, variant, engine_eval):
         result = blocks(per_block[variant.name])
         result.save(settings.run_dir(variant) / study.BLOCKS_FILE)
-        return {"simulated": result.summary(), "engine": []}
+        return Evaluation(0, result.summary(), [])
 
     def fake_record(settings, variant, result):
         rec = record(variant.name, blocks(per_block[variant.name]), None)
-        rec["simulated"] = result["simulated"]
+        rec.simulated = result.simulated
         return rec
 
-    monkeypatch.setattr(study, "train_with_sessions", fake_train)
+    monkeypatch.setattr(study, "train_variant", fake_train)
     monkeypatch.setattr(study, "evaluate_final", fake_evaluate)
     monkeypatch.setattr(study, "variant_record", fake_record)
     monkeypatch.setattr(study, "check_variant_overrides", lambda *a: None)
@@ -308,7 +387,7 @@ def test_finished_variants_are_archived_and_a_new_session_skips_them(
     monkeypatch.setattr(study, "data_meta", lambda *a: None)
     monkeypatch.setattr(study, "study_request",
                         lambda settings, v, data: {"train": [f"optim.max_steps={settings.steps}"]})
-    variants = [StudyVariant("dspine", "ref"), StudyVariant("dflash", "baseline")]
+    variants = [Variant("dspine", "ref"), Variant("dflash", "baseline")]
     archive = tmp_path / "committed"
 
     def session(name: str, steps: int = 12, only: list | None = None) -> list[Path]:
@@ -435,8 +514,8 @@ def test_step_times_side_by_side_on_the_same_batches(tiny_assets: dict, tmp_path
     check_ok(run_module(["-m", "dspine_train.training.cache_features", *tiny_overrides(
         tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}")]))
     settings = tiny_settings(tmp_path, tiny_assets, features_override=features)
-    variants = [StudyVariant("dspine", ""), StudyVariant("dflash", "", ("model.method=dflash",)),
-                StudyVariant("pruned", "", ("model.draft_vocab_size=300", "precision=bf16"))]
+    variants = [Variant("dspine", ""), Variant("dflash", "", ("model.method=dflash",)),
+                Variant("pruned", "", ("model.draft_vocab_size=300", "precision=bf16"))]
     result = time_steps(settings, variants, tmp_path / "steps", batches=2, iters=4,
                         progress=lambda line: None)
     rows = result["variants"]
@@ -469,7 +548,7 @@ def test_steps_refuses_batches_it_would_not_time(tmp_path: Path) -> None:
     from scripts.tools.ablation.study_steps import time_steps
 
     with pytest.raises(StudyError, match="--batches 3, --iters 2"):
-        time_steps(tiny_settings(tmp_path), [StudyVariant("dspine", "")], tmp_path, 3, 2)
+        time_steps(tiny_settings(tmp_path), [Variant("dspine", "")], tmp_path, 3, 2)
 
 
 # ------------------------------------------------------------------ foreign folders
@@ -482,12 +561,12 @@ def _no_work(monkeypatch: pytest.MonkeyPatch) -> list:
         log_path.write_text("train: 4/4 [00:04<00:00, 1.00s/step]\n")
 
     monkeypatch.setattr(runner, "run_logged", fake_run)
-    monkeypatch.setattr(study, "run_logged", fake_run)  # the plan's step-time runs
+    monkeypatch.setattr(study_plan, "run_logged", fake_run)  # the plan's step-time runs
 
-    def fake_evaluate(settings, variant, target):
+    def fake_evaluate(settings, variant, engine_eval):
         ran.append(("evaluate", variant.name))
         blocks([1] * 6).save(settings.run_dir(variant) / study.BLOCKS_FILE)
-        return {"simulated": blocks([1] * 6).summary(), "engine": []}
+        return Evaluation(0, blocks([1] * 6).summary(), [])
 
     monkeypatch.setattr(study, "evaluate_final", fake_evaluate)
     monkeypatch.setattr(study, "variant_record", lambda settings, v, result: record(
@@ -508,14 +587,14 @@ def test_a_foreign_run_in_a_variant_folder_is_refused_not_archived(
     of the study's) is neither trained over nor archived as the variant."""
     ran = _no_work(monkeypatch)
     settings = tiny_settings(tmp_path, plan_steps=0, steps=20)
-    variant = StudyVariant("dspine", "ref")
+    variant = Variant("dspine", "ref")
     foreign = settings.run_dir(variant)
     fake_export(foreign)
     (foreign / "metrics.jsonl").write_text('{"step": 450, "loss": 1.0}\n')
     (foreign / "hydra").mkdir()
     (foreign / "hydra" / "config.yaml").write_text("optim:\n  max_steps: 450\n")
     before = _snapshot(tmp_path)
-    with pytest.raises(AblationError) as err:
+    with pytest.raises(StudyError) as err:
         study.run_study(settings, [variant], target="t")
     (line,) = str(err.value).splitlines()
     assert str(foreign) in line and "request.json" in line
@@ -529,7 +608,7 @@ def test_a_variant_folder_of_another_request_is_refused_naming_what_differs(
     """The study's own folder from a run with other settings (its finished result included)
     is not this study's result."""
     ran = _no_work(monkeypatch)
-    variant = StudyVariant("dspine", "ref")
+    variant = Variant("dspine", "ref")
     old = tiny_settings(tmp_path, plan_steps=0, steps=450)
     fake_export(old.run_dir(variant))
     (old.run_dir(variant) / "request.json").write_text(json.dumps(
@@ -537,11 +616,11 @@ def test_a_variant_folder_of_another_request_is_refused_naming_what_differs(
     blocks([1] * 6).save(old.run_dir(variant) / study.BLOCKS_FILE)
     weights = old.export_dir(variant) / "model.safetensors"
     (old.run_dir(variant) / "result.json").write_text(json.dumps(
-        {"weights_mtime_ns": weights.stat().st_mtime_ns, "simulated": {}}))
+        Evaluation(weights.stat().st_mtime_ns, {}, []).to_json()))
     settings = tiny_settings(tmp_path, plan_steps=0, steps=20)
     assert finished_result(settings, variant) is not None  # what was reused before
     before = _snapshot(tmp_path)
-    with pytest.raises(AblationError) as err:
+    with pytest.raises(StudyError) as err:
         study.run_study(settings, [variant], target="t")
     (line,) = str(err.value).splitlines()
     assert str(settings.run_dir(variant)) in line
@@ -554,11 +633,11 @@ def test_a_foreign_plan_folder_is_refused_not_deleted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ran = _no_work(monkeypatch)
     settings = tiny_settings(tmp_path, plan_steps=4)
-    variant = StudyVariant("dspine", "ref")
+    variant = Variant("dspine", "ref")
     foreign = settings.out_dir / "plan" / variant.name
     foreign.mkdir(parents=True)
     (foreign / "notes.txt").write_text("mine")
-    with pytest.raises(AblationError) as err:
+    with pytest.raises(StudyError) as err:
         study.run_study(settings, [variant], target="t")
     (line,) = str(err.value).splitlines()
     assert str(foreign) in line and "did not write" in line
@@ -568,7 +647,7 @@ def test_a_foreign_plan_folder_is_refused_not_deleted(
     (foreign / "notes.txt").unlink()
     (foreign / "request.json").write_text(json.dumps({"train_arguments": ["old"]}))
     (foreign / "train.log").write_text("old")
-    study.measure_plan(settings, [variant], lambda v: False)
+    study_plan.measure_plan(settings, [variant], lambda v: False)
     assert [a for a in ran[0] if a.startswith("output_dir=")] == [f"output_dir={foreign}"]
     assert not (foreign / "train.log").read_text().startswith("old")
 
@@ -577,8 +656,8 @@ def test_the_study_reuses_its_own_folder_for_the_same_request(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ran = _no_work(monkeypatch)
     settings = tiny_settings(tmp_path, plan_steps=0)
-    variant = StudyVariant("dspine", "ref")
-    train_with_sessions(settings, variant)  # writes request.json before anything else
+    variant = Variant("dspine", "ref")
+    train_variant(settings, variant)  # writes request.json before anything else
     assert json.loads((settings.run_dir(variant) / "request.json").read_text()) == {
         "train_arguments": settings.train_arguments(variant)}
     fake_export(settings.run_dir(variant))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,34 +37,25 @@ import torch
 from dspine_train.chat_template import KWARGS_KEY, template_mismatch
 from dspine_train.engine.acceptance import (
     Acceptance,
-    clip_at_eos,
     greedy_accept,
     rejection_accept,
 )
+from dspine_train.engine.chain_draft import ChainDrafter
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.errors import CheckpointError, GenerationInputError
 from dspine_train.engine.ngram import NgramConfig, NgramIndex, pack_proposals
 from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
-from dspine_train.engine.request_checks import (
-    check_prompts_fit,
-    check_sampling,
-    check_warmup,
-    tree_budget,
-)
-from dspine_train.engine.round_planner import (
-    RoundCosts,
-    RoundPlanner,
-    RoundShape,
-    common_prefix,
-)
-from dspine_train.engine.sampling import next_tokens, target_probs
+from dspine_train.engine.request_checks import check_request, tree_budget
+from dspine_train.engine.round_planner import RoundCosts, RoundPlanner, RoundShape, round_shapes
+from dspine_train.engine.round_results import AcceptanceReader, ProposalLedger, record_round
+from dspine_train.engine.sampling import Sampler, next_tokens, target_probs
 from dspine_train.engine.stats import GenerationStats, StepTimer
 from dspine_train.engine.target_files import eos_token_ids, load_tokenizer
 from dspine_train.engine.target_model import TargetModel
 from dspine_train.engine.tree_verify import TreeVerifier
 from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
+from dspine_train.engine.warmup import calibrate, warm_up
 from dspine_train.engine.weights import load_target
-from dspine_train.modeling.exponential_race import exponential_noise
 
 
 @dataclass
@@ -144,7 +135,6 @@ class Engine:
         self.max_seq_len = max_seq_len or min(positions, 4096)
         self.kv_bucket_size = kv_bucket_size
         self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else [])
-        self._eos = torch.tensor(self.eos_token_ids or [-1], device=self.device)
         self.block_size = 1
         self.draft_cache: Any | None = None
         self._draft_caches: dict[int, Any] = {}
@@ -182,8 +172,8 @@ class Engine:
             compile_backend=compile_backend,
         )
         self._target_step = StepCache(self._target_forward, "verify", **steps)
-        self._draft_step = StepCache(self._draft_greedy, "draft", **steps)
-        self._draft_sample_step = StepCache(self._draft_sample, "sampling draft", **steps)
+        self._chain = ChainDrafter(draft, lambda: self.draft_cache, steps)
+        self._draft_step, self._draft_sample_step = self._chain.greedy_steps, self._chain.sample_steps
         self._commit_step = StepCache(self._commit, "commit", state=self._commit_state, **steps)
         self._tree = TreeVerifier(target, draft, lambda: self.draft_cache, steps)
         self.configure_tree(tree_paths, tree_nodes)
@@ -193,9 +183,7 @@ class Engine:
         # start of the round (`_active`) and those still running after it (`_running`).
         self._active = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
         self._running = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
-        # Pinned host buffers for the round's one device-to-host read, one per shape.
-        self._host_buffers: dict[tuple[int, ...], torch.Tensor] = {}
-        self._read_done = torch.cuda.Event() if cuda else None
+        self._reader = AcceptanceReader(self.eos_token_ids, self.device)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -255,7 +243,7 @@ class Engine:
         """
         if self.draft is None and self.ngram is None:
             raise GenerationInputError(
-                "this engine has neither a draft nor n-gram candidates (CLI: --ngram); use "
+                "this engine has no draft and no n-gram candidates (CLI: --ngram); use "
                 "generate_ar")
         g = self._num_draft_tokens(num_draft_tokens)
         return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, g, seed, True)
@@ -302,7 +290,7 @@ class Engine:
 
     def _tree_budget(self, num_draft_tokens: int) -> int | None:
         """Nodes verified per round by a tree round, or None where the round is a chain."""
-        if self.draft is None:
+        if self.draft is None or self.tree_paths == 1 or num_draft_tokens == 0:
             return None
         config = self.draft.config
         width = getattr(config, "draft_vocab_size", None) or config.vocab_size
@@ -314,17 +302,10 @@ class Engine:
         non-adaptive engine always verifies) last: a plain step, the n-gram branch alone, the
         draft's chain or tree, and the draft with the n-gram branch merged in."""
         width = self.ngram.num_tokens if self.ngram is not None else 0
-        shapes = [RoundShape("plain", 0)]
-        if self.ngram is not None:
-            shapes.append(RoundShape("ngram", width, 0, ngram=True))
-        if self.draft is not None and num_draft_tokens > 0:
-            nodes = self._tree_budget(num_draft_tokens)
-            draft_nodes = nodes or num_draft_tokens
-            name = "chain" if nodes is None else "tree"
-            shapes.append(RoundShape(name, draft_nodes, num_draft_tokens))
-            if self.ngram is not None:
-                shapes.append(RoundShape("hybrid", draft_nodes + width, num_draft_tokens, True))
-        return shapes
+        with_draft = self.draft is not None and num_draft_tokens > 0
+        nodes = self._tree_budget(num_draft_tokens) if with_draft else None
+        return round_shapes(width if self.ngram is not None else None,
+                            num_draft_tokens if with_draft else 0, nodes)
 
     def _depth(self, shape: RoundShape) -> int:
         """Drafted tokens on the longest path of a `shape` round."""
@@ -344,80 +325,15 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
     ) -> dict[str, float | int]:
-        """Compile and capture every step at these shapes before anything is timed.
+        """Compile and capture every step at these shapes before anything is timed (and, with
+        `adaptive`, measure the round costs); see `engine.warmup.warm_up`."""
+        return warm_up(self, batch_sizes, num_draft_tokens, kv_buckets, temperature, top_p)
 
-        `batch_sizes` in 1..max_batch_size; `num_draft_tokens` the g values (0 is plain
-        decoding; default: 0 and block_size - 1 with a draft, 0 without); `kv_buckets` values
-        of `kv_buckets()` (default: all of them). On CPU, where nothing is captured, it checks
-        the arguments and runs each step once eagerly at the smallest bucket. Returns the number
-        of captured graphs and the seconds it took. The greedy steps always; with `temperature`
-        > 0 the sampling draft and (trees) the sampling verify step at `top_p` too (one capture
-        serves every temperature; the tree's serves one `top_p`). With `tree_paths` > 1 or
-        `ngram`, the tree (and hybrid) draft and verify steps of every round shape are captured
-        too, and with `adaptive` the round costs are measured (`calibrate`).
-        """
-        sizes, gs, buckets = check_warmup(
-            batch_sizes, num_draft_tokens, kv_buckets, max_batch_size=self.max_batch_size,
-            block_size=self.block_size, has_draft=self.draft is not None,
-            valid_buckets=self.kv_buckets(), kv_bucket_size=self.kv_bucket_size,
-            max_seq_len=self.max_seq_len)
-        check_sampling(temperature, top_p, "warmup ")
-        sampling = temperature > 0.0
-        if not self._target_step.enabled:
-            buckets = buckets[:1]  # nothing to capture: one eager pass per shape validates it
-        before = self._capture_seconds()
-        with torch.inference_mode():
-            for batch in sizes:
-                self.target.cache.reset(batch)
-                self._active[:batch].fill_(False)  # commits during capture leave lengths at 0
-                self._running[:batch].fill_(False)
-                if self.draft is not None:
-                    self.draft_cache = self._draft_cache_for(batch)
-                    self.draft.crop_context(self.draft_cache, self.target.cache.lengths[:batch])
-                for g in gs:
-                    block = torch.zeros(batch, g + 1, dtype=torch.long, device=self.device)
-                    fits = [b for b in buckets if b >= g + 1] or [self.max_seq_len]
-                    for kv in fits:
-                        self._target_step.prepare(block, kv_len=kv)
-                    features, _ = self._target_forward(block, kv_len=fits[0])
-                    num_accepted = torch.zeros(batch, dtype=torch.long, device=self.device)
-                    commit_inputs = (num_accepted,) if g == 0 else (num_accepted, features)
-                    self._commit_step.prepare(*commit_inputs)
-                    if not self._commit_step.enabled:
-                        self._commit_step(*commit_inputs)
-                if self.draft is not None and any(g > 0 for g in gs):
-                    anchors = torch.zeros(batch, dtype=torch.long, device=self.device)
-                    draft_steps = [(self._draft_step, (anchors,))]
-                    if sampling:  # any Exp(1) values and temperature do for a capture
-                        shape = (batch, self.block_size - 1, self.draft.num_candidates)
-                        noise = torch.ones(shape, device=self.device)
-                        scale = torch.ones((), device=self.device)
-                        draft_steps.append((self._draft_sample_step, (anchors, noise, scale)))
-                    for kv in self._draft_buckets(buckets):
-                        for step, inputs in draft_steps:
-                            step.prepare(*inputs, kv_len=kv)
-                            if not step.enabled:
-                                step(*inputs, kv_len=kv)
-                for g in gs:
-                    for shape in self.round_shapes(g):
-                        if not self._is_tree_round(shape):
-                            continue
-                        fits = [b for b in buckets if b >= shape.nodes + 1] or [self.max_seq_len]
-                        budget = dict(
-                            paths=self.tree_paths, nodes=shape.nodes, depth=shape.draft_depth
-                        )
-                        width = self.ngram.num_tokens if shape.ngram else 0
-                        self._tree.warmup(
-                            batch, budget, self._draft_buckets(buckets), fits, temperature,
-                            top_p, ngram_width=width,
-                        )
-            self.target.cache.reset(self.max_batch_size)
-        if self.adaptive:
-            for batch in sizes:
-                for g in gs if self.draft is None else [g for g in gs if g > 0]:
-                    self.calibrate(batch, g)
-        captured = sum(s.num_captured for s in self._steps())
-        return {"graphs": captured, "capture_s": self._capture_seconds() - before}
+    def calibrate(self, batch: int, num_draft_tokens: int, repeats: int = 3) -> RoundCosts:
+        """Seconds of one round of each round shape for `batch` sequences (cached per
+        (batch, g)); see `engine.warmup.calibrate`."""
+        return calibrate(self, batch, num_draft_tokens, repeats)
+
 
     # ------------------------------------------------------------------ the loop
     def _run(
@@ -452,7 +368,8 @@ class Engine:
             if self.adaptive and len(shapes) > 1:  # measured once per (batch, g), untimed
                 costs = self.calibrate(len(ids), num_draft_tokens)
             planner = RoundPlanner(shapes, costs, self.adaptive)
-        sampler = _Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
+        ledger = ProposalLedger(planner, len(ids)) if planner and planner.adaptive else None
+        sampler = Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
         timer = StepTimer(self.device)
         states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
         capture_before = self._capture_seconds()
@@ -489,11 +406,17 @@ class Engine:
                 acc, features, drafted = self._round_of(
                     shape, anchors, longest, proposals, sampler, timer
                 )
-                rows = self._read_acceptance(acc, drafted)
-                for b in self._record(rows, acc.tokens.shape[1], states, committed, stats):
+                rows = self._reader.read(acc, drafted)
+                starts = [len(states[b].tokens) for b in range(len(ids))]
+                for b in record_round(rows, states, committed, stats):
                     running[b] = False
-                if planner is not None and planner.adaptive:
-                    self._learn(planner, rows, acc.tokens.shape[1], live, proposals, drafted)
+                if ledger is not None:
+                    for b in live:
+                        if proposals is not None and proposals[b][1] > 0:
+                            ledger.propose(b, starts[b], "ngram", proposals[b][1], proposals[b][0])
+                        if drafted is not None:
+                            ledger.propose(b, starts[b], "draft", 0, rows[b].drafted)
+                        ledger.settle(b, states[b])
                 if indexes is not None:
                     for b in live:
                         seen = len(indexes[b].tokens) - len(ids[b])
@@ -536,102 +459,18 @@ class Engine:
         shapes: Sequence[RoundShape],
     ) -> None:
         """Reject a request the caches or settings cannot serve, before any forward."""
-        if len(ids) > self.max_batch_size:
-            raise GenerationInputError(
-                f"{len(ids)} prompts exceed the engine's max_batch_size={self.max_batch_size}"
-            )
-        if max_new_tokens < 1:
-            raise GenerationInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        check_sampling(temperature, top_p)
-        if stop and self.tokenizer is None:
-            raise GenerationInputError("stop strings need a tokenizer")
-        if any(not s for s in stop):  # "" is in every text: each answer would stop at once
-            raise GenerationInputError(
-                "an empty stop string (CLI: --stop '') would end every answer after its first "
-                "token; give a non-empty string")
-        widest = max(shapes, key=lambda s: s.nodes, default=RoundShape("plain", 0))
-        chain = max((s.draft_depth for s in shapes), default=0)
-        tree = None
-        if widest.name in ("tree", "hybrid", "ngram"):
-            tree = (f"tree_paths={self.tree_paths}, tree_nodes={self.tree_nodes}, ngram "
-                    f"tokens={self.ngram.num_tokens if self.ngram else 0}; CLI: --tree-paths / "
-                    "--tree-nodes / --ngram-tokens")
-        check_prompts_fit(
-            max(len(p) for p in ids), max_new_tokens, widest.nodes, chain, self.max_seq_len,
-            self.target.config.max_position_embeddings, tree,
+        tree = (f"tree_paths={self.tree_paths}, tree_nodes={self.tree_nodes}, ngram tokens="
+                f"{self.ngram.num_tokens if self.ngram else 0}; CLI: --tree-paths / --tree-nodes "
+                "/ --ngram-tokens")
+        check_request(
+            ids, max_new_tokens, temperature, top_p, stop, shapes,
+            max_batch_size=self.max_batch_size, has_tokenizer=self.tokenizer is not None,
+            max_seq_len=self.max_seq_len,
+            positions=self.target.config.max_position_embeddings, tree=tree,
         )
 
-    def _record(
-        self,
-        rows: list[list[int]],
-        width: int,
-        states: list[SequenceState],
-        committed: list[int],
-        stats: GenerationStats,
-    ) -> list[int]:
-        """Commit one round's host-read acceptance `rows` (see `_read_acceptance`; `width`
-        tokens each) to the running sequences, and return the rows that finished in it."""
-        finished = []
-        for b, row in enumerate(rows):
-            if states[b].done:
-                continue
-            num_acc, keep, eos = row[width], row[width + 1], bool(row[width + 2])
-            before = len(states[b].tokens)
-            states[b].extend(row[:keep], ends_with_eos=eos)
-            # What the sequence kept (EOS, a stop string or the token budget may cut the round
-            # short): its last kept token stands as the round's bonus (see `GenerationStats`).
-            kept = len(states[b].tokens) - before
-            stats.verifications += 1
-            stats.committed += kept
-            for i in range(kept - 1):
-                stats.accepted_at[i] += 1
-            stats.round_accepted[b].append(num_acc)
-            committed[b] += num_acc + 1
-            if states[b].done:
-                finished.append(b)
-        return finished
 
-    @staticmethod
-    def _learn(
-        planner: RoundPlanner,
-        rows: list[list[int]],
-        width: int,
-        live: list[int],
-        proposals: list[tuple[list[int], int]] | None,
-        drafted: torch.Tensor | None,
-    ) -> None:
-        """Tell the planner how far each live sequence's n-gram proposal and (when it ran) the
-        draft's chain matched the tokens the target chose this round."""
-        for b in live:
-            row = rows[b]
-            chosen = row[: row[width] + 1]  # the accepted drafts and the bonus
-            if proposals is not None and proposals[b][1] > 0:
-                planner.record_ngram(proposals[b][1], common_prefix(proposals[b][0], chosen))
-            if drafted is not None:
-                planner.record_draft(common_prefix(row[width + 3 :], chosen))
-
-    def _read_acceptance(
-        self, acc: Acceptance, drafted: torch.Tensor | None = None
-    ) -> list[list[int]]:
-        """The round's single host read, one row per sequence: the tokens, accepted count, kept
-        count and EOS flag, then the draft's chain tokens `drafted (B, g)` when given."""
-        counts, hit_eos = clip_at_eos(acc.tokens, acc.num_accepted + 1, self._eos)
-        parts = [acc.tokens, acc.num_accepted[:, None], counts[:, None], hit_eos[:, None].long()]
-        if drafted is not None:
-            parts.append(drafted)
-        packed = torch.cat(parts, dim=1)
-        if self._read_done is None:
-            return packed.tolist()
-        host = self._host_buffers.get(tuple(packed.shape))
-        if host is None:
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._host_buffers[tuple(packed.shape)] = host
-        host.copy_(packed, non_blocking=True)
-        self._read_done.record()
-        self._read_done.synchronize()  # deliberate: the one host sync of a round
-        return host.tolist()
-
-    def _prefill(self, ids: list[list[int]], sampler: _Sampler, with_draft: bool) -> torch.Tensor:
+    def _prefill(self, ids: list[list[int]], sampler: Sampler, with_draft: bool) -> torch.Tensor:
         """Run the prompts (right-padded), commit them, return the first new token `(B,)`."""
         batch, longest = len(ids), max(len(p) for p in ids)
         lengths = torch.tensor([len(p) for p in ids], device=self.device)
@@ -660,7 +499,7 @@ class Engine:
         anchors: torch.Tensor,
         longest: int,
         proposals: list[tuple[list[int], int]] | None,
-        sampler: _Sampler,
+        sampler: Sampler,
         timer: StepTimer,
     ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
         """One round of `shape`: the `Acceptance`, the accepted tokens' features (None
@@ -689,7 +528,7 @@ class Engine:
         anchors: torch.Tensor,
         longest: int,
         num_draft_tokens: int,
-        sampler: _Sampler,
+        sampler: Sampler,
         timer: StepTimer,
     ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
         """Draft (if g > 0), verify `[anchor, d_1..d_g]`, accept. Plain decoding is g = 0.
@@ -701,10 +540,10 @@ class Engine:
         draft_q = candidates = None
         if num_draft_tokens > 0:
             draft_kv = self._bucket(longest + self.block_size, self._draft_capacity())
-            step, inputs = self._draft_inputs(anchors, sampler)
+            step, inputs = self._chain.step_inputs(anchors, sampler)
             step.prepare(*inputs, kv_len=draft_kv)  # capture outside the timing
             with timer.section("draft"):
-                draft_tokens, draft_q, candidates = self._propose(
+                draft_tokens, draft_q, candidates = self._chain.propose(
                     step, inputs, num_draft_tokens, draft_kv
                 )
         block = torch.cat([anchors[:, None], draft_tokens], dim=1)  # (B, g + 1)
@@ -725,87 +564,7 @@ class Engine:
         )
         return accept, features, drafted
 
-    def calibrate(self, batch: int, num_draft_tokens: int, repeats: int = 3) -> RoundCosts:
-        """Measure the seconds of one round of each shape (`round_shapes`) for `batch`
-        sequences: the median of `repeats` greedy rounds on an empty context, after one
-        untimed run (which compiles and captures on CUDA). Cached per (batch, g); what the
-        rounds write lies past the committed lengths, where nothing reads it."""
-        key = (batch, num_draft_tokens)
-        if key in self._costs:
-            return self._costs[key]
-        shapes = self.round_shapes(num_draft_tokens)
-        width = self.ngram.num_tokens if self.ngram is not None else 0
-        proposals = [(list(range(1, width + 1)), 1)] * batch
-        sampler = _Sampler(0.0, 1.0, torch.Generator(self.device).manual_seed(0))
-        timer = StepTimer(self.device)  # the rounds' own sections; discarded
-        seconds: dict[str, float] = {}
-        with torch.inference_mode():
-            self.target.cache.reset(batch)
-            if self.draft is not None:
-                self.draft_cache = self._draft_cache_for(batch)
-                self.draft.crop_context(self.draft_cache, self.target.cache.lengths[:batch])
-            anchors = torch.zeros(batch, dtype=torch.long, device=self.device)
-            for shape in shapes:
-                samples = []
-                for _ in range(repeats + 1):
-                    self._synchronize()
-                    start = time.perf_counter()
-                    self._round_of(shape, anchors, 1, proposals, sampler, timer)
-                    self._synchronize()
-                    samples.append(time.perf_counter() - start)
-                seconds[shape.name] = sorted(samples[1:])[len(samples[1:]) // 2]
-            self.target.cache.reset(self.max_batch_size)
-        self._costs[key] = RoundCosts(seconds, batch)
-        return self._costs[key]
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-
-    def _draft_inputs(
-        self, anchors: torch.Tensor, sampler: _Sampler
-    ) -> tuple[StepCache, tuple[torch.Tensor, ...]]:
-        """The draft step of this call (greedy or sampling) and its inputs for `anchors`.
-
-        The sampling draft's randomness (the exponential race's Exp(1) draws) is drawn here from
-        the call's generator, so the step itself is a pure function of tensors."""
-        if sampler.temperature <= 0.0:
-            return self._draft_step, (anchors,)
-        noise = self._draft_noise(anchors.shape[0], sampler.generator)
-        return self._draft_sample_step, (anchors, noise, sampler.scale)
-
-    def _propose(
-        self, step: StepCache, inputs: tuple[torch.Tensor, ...], num_draft: int, kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The first `num_draft` of the draft's proposals for each anchor, and (when sampling)
-        their q over the slots' candidates and the candidates, `(B, g, K)` each."""
-        out = step(*inputs, kv_len=kv_len)
-        tokens = out[0][:, :num_draft]
-        if len(out) == 1:  # greedy
-            return tokens, None, None
-        return tokens, out[1][:, :num_draft], out[2][:, :num_draft]
-
-    def _draft_noise(self, batch: int, generator: torch.Generator | None) -> torch.Tensor:
-        """Exp(1) draws `(B, Bk-1, K)` for one sampling draft block (see `_draft_sample`)."""
-        shape = (batch, self.block_size - 1, self.draft.num_candidates)
-        return exponential_noise(shape, generator, self.device)
-
     # ------------------------------------------------------------------ steps (compiled, graphed)
-    def _draft_greedy(self, anchors: torch.Tensor, kv_len: int) -> tuple[torch.Tensor]:
-        return (self.draft.propose(self.draft_cache, anchors, 0.0, None, kv_len=kv_len).tokens,)
-
-    def _draft_sample(
-        self, anchors: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor, kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled proposals: tokens `(B, Bk-1)`, q and candidates `(B, Bk-1, K)`, given the
-        race's Exp(1) `noise (B, Bk-1, K)` and the 0-dim `temperature` tensor (one capture
-        serves every temperature)."""
-        proposal = self.draft.propose(
-            self.draft_cache, anchors, temperature, None, kv_len=kv_len, noise=noise
-        )
-        return proposal.tokens, proposal.q, proposal.candidates
-
     def _target_forward(
         self, block: torch.Tensor, kv_len: int
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -879,17 +638,3 @@ class Engine:
                 )
             self._draft_caches[batch] = cache
         return cache
-
-
-@dataclass
-class _Sampler:
-    """Decoding settings of one call; `scale` is the temperature as a 0-dim float32 tensor on
-    the generator's device (an input of the sampling steps, made once per call)."""
-
-    temperature: float
-    top_p: float
-    generator: torch.Generator
-    scale: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.scale = torch.full((), self.temperature, device=self.generator.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dspine_train.engine.errors import GenerationInputError
+from dspine_train.engine.round_planner import RoundShape
 
 
 def tree_budget(
@@ -117,3 +118,38 @@ def check_warmup(
             f"of kv_bucket_size={kv_bucket_size} below max_seq_len={max_seq_len}, "
             f"or max_seq_len itself)")
     return sizes, gs, buckets
+
+
+def check_request(
+    ids: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop: Sequence[str],
+    shapes: Sequence[RoundShape],
+    *,
+    max_batch_size: int,
+    has_tokenizer: bool,
+    max_seq_len: int,
+    positions: int,
+    tree: str,
+) -> None:
+    """A generation request: prompt count, budget, sampling settings, stop strings, and room in
+    the caches for the widest of its round `shapes` (`tree` names the settings that size it)."""
+    if len(ids) > max_batch_size:
+        raise GenerationInputError(
+            f"{len(ids)} prompts exceed the engine's max_batch_size={max_batch_size}")
+    if max_new_tokens < 1:
+        raise GenerationInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_sampling(temperature, top_p)
+    if stop and not has_tokenizer:
+        raise GenerationInputError("stop strings need a tokenizer")
+    if any(not s for s in stop):  # "" is in every text: each answer would stop at once
+        raise GenerationInputError(
+            "an empty stop string (CLI: --stop '') would end every answer after its first "
+            "token; give a non-empty string")
+    widest = max(shapes, key=lambda s: s.nodes, default=RoundShape("plain", 0))
+    chain = max((s.draft_depth for s in shapes), default=0)
+    is_tree = widest.name in ("tree", "hybrid", "ngram")
+    check_prompts_fit(max(len(p) for p in ids), max_new_tokens, widest.nodes, chain, max_seq_len,
+                      positions, tree if is_tree else None)

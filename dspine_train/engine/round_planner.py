@@ -9,11 +9,12 @@ grows with the nodes, and a weak draft can cost more than it brings. The planner
   if any, and its verify), timed on the engine's own steps (`Engine.calibrate`, run by `warmup`
   and by the first call that needs it);
 * estimates the gain of each shape from the call's own rounds so far: for the n-gram branch, the
-  mean number of its tokens the target took, per size n of the suffix that matched (known for
-  every round, drafted or not: the host holds the proposal and the target's tokens); for the
-  draft, the mean number of its chain's tokens the target took (known in the rounds it ran; it
-  is re-tried every `explore_every` rounds it did not run). Before any round it assumes one
-  token each (`PRIOR_TOKENS`, counted as `PRIOR_WEIGHT` rounds);
+  mean number of its tokens the target would take, per size n of the suffix that matched; for
+  the draft, the same for its chain. A proposal is scored against the tokens the sequence goes
+  on to commit (`round_results.ProposalLedger`), so an n-gram proposal is scored in every round,
+  verified or not; the draft's chain is known only where the draft ran, so the draft is re-tried
+  every `explore_every` rounds it did not run. Before any score it assumes one token each
+  (`PRIOR_TOKENS`, counted as `PRIOR_WEIGHT` rounds);
 * picks the shape with the largest `(1 + expected accepted) / cost`, where a plain step (one
   token for one 1-token verify) is always among the shapes: no tree is chosen whose expected
   gain does not pay for its cost.
@@ -45,6 +46,25 @@ class RoundShape:
     @property
     def drafts(self) -> bool:
         return self.draft_depth > 0
+
+
+def round_shapes(
+    ngram_tokens: int | None, num_draft_tokens: int, tree_nodes: int | None
+) -> list[RoundShape]:
+    """The shapes a round may take, the widest (what a non-adaptive engine always verifies)
+    last: a plain step; the n-gram branch alone (`ngram_tokens` nodes; None: no n-gram
+    candidates); the draft's chain of g = `num_draft_tokens` (0: no draft) or its tree of
+    `tree_nodes`; and the draft with the n-gram branch merged in."""
+    shapes = [RoundShape("plain", 0)]
+    if ngram_tokens is not None:
+        shapes.append(RoundShape("ngram", ngram_tokens, 0, ngram=True))
+    if num_draft_tokens > 0:
+        draft_nodes = tree_nodes or num_draft_tokens
+        name = "chain" if tree_nodes is None else "tree"
+        shapes.append(RoundShape(name, draft_nodes, num_draft_tokens))
+        if ngram_tokens is not None:
+            shapes.append(RoundShape("hybrid", draft_nodes + ngram_tokens, num_draft_tokens, True))
+    return shapes
 
 
 @dataclass

@@ -8,6 +8,8 @@ which needs no `.item()` and takes an explicit `torch.Generator` for reproducibi
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from dspine_train.modeling.exponential_race import exponential_noise, race
@@ -63,3 +65,17 @@ def next_tokens(
     if temperature <= 0.0:
         return logits.argmax(-1)
     return sample(target_probs(logits, temperature, top_p), generator)
+
+
+@dataclass
+class Sampler:
+    """Decoding settings of one call; `scale` is the temperature as a 0-dim float32 tensor on
+    the generator's device (an input of the sampling steps, made once per call)."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+    scale: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scale = torch.full((), self.temperature, device=self.generator.device)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -121,15 +122,17 @@ def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
 
 
 class StepTimer:
-    """Accumulates time per named section without syncing inside a step.
+    """Times named sections on a device without syncing inside a step.
 
     On CPU, sections are timed with `perf_counter` (the work is synchronous). On CUDA, each
-    section records a pair of events and `totals()` synchronises once at the end.
+    section records a pair of events on the current stream, and `samples()` / `totals()`
+    synchronise once at the end. The engine sums a section over a call's rounds (`totals`);
+    benchmarks keep each timed body (`samples`) for a median or a minimum.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._seconds: dict[str, float] = defaultdict(float)
+        self._samples: dict[str, list[float]] = defaultdict(list)
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
@@ -144,13 +147,48 @@ class StepTimer:
         else:
             start_s = time.perf_counter()
             yield
-            self._seconds[name] += time.perf_counter() - start_s
+            self._samples[name].append(time.perf_counter() - start_s)
 
-    def totals(self) -> dict[str, float]:
-        """Seconds per section (synchronises the device once)."""
+    def samples(self) -> dict[str, list[float]]:
+        """Seconds of each timed body per section, in order (synchronises the device once)."""
         if self._events:
             torch.cuda.synchronize()
             for name, start, end in self._events:
-                self._seconds[name] += start.elapsed_time(end) / 1e3
+                self._samples[name].append(start.elapsed_time(end) / 1e3)
             self._events.clear()
-        return dict(self._seconds)
+        return {name: list(times) for name, times in self._samples.items()}
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per section, summed over its timed bodies (synchronises the device once)."""
+        return {name: sum(times) for name, times in self.samples().items()}
+
+
+def time_calls(
+    fn: Callable[[], object],
+    device: torch.device,
+    iters: int,
+    after: Callable[[], object] | None = None,
+) -> list[float]:
+    """Seconds of each of `iters` calls of `fn()` on `device` (CUDA events, else perf_counter).
+
+    `after()` runs after each call outside the timing (to restore state a call changed); on
+    CUDA it is queued on the same stream, so the next call still starts after it. Warm-up
+    (compilation, graph capture, caches) is the caller's: nothing here runs untimed first.
+    """
+    timer = StepTimer(device)
+    for _ in range(iters):
+        with timer.section("call"):
+            fn()
+        if after is not None:
+            after()
+    return timer.samples().get("call", [])
+
+
+def median_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    iters: int,
+    after: Callable[[], object] | None = None,
+) -> float:
+    """Median milliseconds of `iters` calls of `fn()` on `device` (see `time_calls`)."""
+    return 1e3 * statistics.median(time_calls(fn, device, iters, after))

@@ -11,7 +11,7 @@ draft can no longer propose (`outside_share`, on held-out data).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import numpy as np
@@ -19,6 +19,9 @@ import torch
 
 from .errors import TrainingError
 from .target import load_target_tokenizer
+
+if TYPE_CHECKING:
+    from ..modeling import DSpineDraftModel
 
 
 def supervised_token_counts(dataset: datasets.Dataset, vocab_size: int) -> np.ndarray:
@@ -76,7 +79,7 @@ def outside_share(dataset: datasets.Dataset, ids: torch.Tensor, vocab_size: int)
     return float(1.0 - counts[ids.numpy()].sum() / total) if total else 0.0
 
 
-def prune_draft_vocab(draft: Any, train: datasets.Dataset, held_out: datasets.Dataset | None,
+def prune_draft_vocab(draft: DSpineDraftModel, train: datasets.Dataset, held_out: datasets.Dataset | None,
                       tokenizer: Any = None) -> str:
     """Give a fresh draft with `draft_vocab_size` its `d2t` map from the training data; returns
     a line saying what was kept and the held-out (or training) share of tokens outside it."""

@@ -1,19 +1,24 @@
-"""Running the ablation: one shared feature cache, one `train.py` run per variant, evaluation.
+"""The studies' runner: one shared feature cache, one `train.py` run per variant, evaluation.
 
-Layout of an ablation directory `<out>/`:
+Layout of a study directory `<out>/` (the ablation's; the training study adds its plan, archive
+and report: `study`):
 
     features/                 the target's offline features, computed once, read by every run
-    token_table.safetensors   the token table, built once (it depends only on the target)
+    token_table.safetensors   the ablation's token table, built once (it depends only on the
+                              target); the study's runs build their own
     <variant>/                a `train.py` output dir (metrics.jsonl, hydra/config.yaml, final/)
         request.json          the exact `train.py` arguments this directory was trained with
+        sessions.json         wall time of every training session (a killed one included)
         final/                the exported draft (a derived variant: the source's weights with
-                              its switches written into config.json)
-        evaluation.json       simulated + engine-measured acceptance, with the settings used
+                              its `model.<field>` overrides written into config.json)
+        evaluation.json       the ablation's evaluation: simulated + engine-measured acceptance
+        result.json           the study's final evaluation (`evaluate_final`)
 
 A rerun skips every finished stage: the cache when its index exists, a variant whose export
-exists (after checking it was trained with the same arguments), an evaluation whose recorded
-settings match. Training runs as a subprocess per variant, so each starts from a fresh process
-(DeepSpeed state, allocator, threads) exactly as a user's `python train.py` would.
+exists (after checking it was trained with the same arguments), an evaluation recorded for the
+same weights and settings; an interrupted training resumes from its last checkpoint. Training
+runs as a subprocess per variant, so each starts from a fresh process (DeepSpeed state,
+allocator, threads) exactly as a user's `python train.py` would.
 """
 
 from __future__ import annotations
@@ -33,32 +38,40 @@ from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
 from dspine_train.evaluation.block_metrics import BlockResults
 from scripts.tools.child_runs import run_logged
 
-from .variants import Variant
+from .records import Evaluation, Session
+from .variants import Variant, variant_named
 
 FEATURES_DIR = "features"
 TOKEN_TABLE = "token_table.safetensors"
 REQUEST_FILE = "request.json"
 EVALUATION_FILE = "evaluation.json"
-BLOCKS_FILE = "simulated_blocks.npz"
-EVERY_BLOCK = 10**9  # eval.max_blocks that no held-out split reaches: every block  # per-block results of the simulated evaluation
+RESULT_FILE = "result.json"
+SESSIONS_FILE = "sessions.json"
+BLOCKS_FILE = "simulated_blocks.npz"  # per-block results of the simulated evaluation
+EVERY_BLOCK = 10**9  # eval.max_blocks that no held-out split reaches: every block
 RUN_CONFIG = Path("hydra") / "config.yaml"
 
 
-class AblationError(RuntimeError):
-    """A stage of the ablation failed or its directory belongs to another setting."""
+class StudyError(RuntimeError):
+    """A stage of a study failed, a variant is misdefined, or a directory belongs to another
+    setting; the message names it."""
 
 
 @dataclass
-class AblationSettings:
-    """What every variant shares: recipe, data, budget, seed and the evaluation.
+class StudySettings:
+    """What every variant of a study shares: recipe, data, budget, seed and the evaluation.
+
+    The defaults are the training study's (`scripts/study.py`); the ablation
+    (`scripts/ablate.py`) evaluates once at the end on every held-out block, checkpoints every
+    quarter and shares one token table.
 
     Attributes:
-        out_dir: the ablation directory (see the module docstring).
+        out_dir: the study directory (see the module docstring).
         recipe: the `train.py` recipe every variant starts from.
         steps: optimizer steps of every trained variant.
         seed: the seed of every run (draft init, data order, anchors, replacement draws).
         overrides: Hydra overrides shared by every run and by the feature cache (target, data,
-            batch size, anchors, ...), applied after the recipe and before a variant's switches.
+            batch size, anchors, ...), applied after the recipe and before a variant's own.
         benches: benchmarks of the evaluation harness.
         temperatures: sampling temperatures of the engine evaluation.
         limit: prompts per benchmark.
@@ -71,6 +84,19 @@ class AblationSettings:
         max_prompt_chars: benchmark prompts longer than this are left out (harness setting).
         features_override: an existing feature cache of the same data and recipe to read
             instead of `<out_dir>/features` (e.g. the demo's).
+        token_table: one token table every run shares (built by the first); None: each run
+            builds its own (the SpecForge variant's token codes have another width).
+        eval_every: optimizer steps between the trainer's evaluations (0: once, at the end).
+        eval_max_blocks: blocks of the trainer's evaluations: a fixed uniform draw of the
+            held-out blocks, the same for every variant and step (`EVERY_BLOCK`: all).
+        checkpoint_every: optimizer steps between checkpoints (what a kill loses at most).
+        final_max_blocks: blocks of the study's final evaluation (0: every held-out block; else
+            a fixed uniform draw of that many, when there are more).
+        plan_steps: steps of the short run that measures each variant's s/step.
+        report_stem: the study report's path without suffix (default `<out_dir>/report`).
+        command: the command line recorded in the report.
+        archive_dir: where the study archives finished variants (`study`; default
+            `<out_dir>/archive`).
     """
 
     out_dir: Path
@@ -88,11 +114,34 @@ class AblationSettings:
     eval_seed: int = 0
     max_prompt_chars: int | None = 2000
     features_override: Path | None = None
+    token_table: Path | None = None
+    eval_every: int = 250
+    eval_max_blocks: int = 4096
+    checkpoint_every: int = 250
+    final_max_blocks: int = 16384
+    plan_steps: int = 4
+    report_stem: Path | None = None
+    command: str = ""
+    archive_dir: Path | None = None
 
     @property
     def features_dir(self) -> Path:
         """The shared offline feature cache."""
         return self.features_override or self.out_dir / FEATURES_DIR
+
+    @property
+    def report_path(self) -> Path:
+        """The study report's path without suffix."""
+        return self.report_stem or self.out_dir / "report"
+
+    @property
+    def archive(self) -> Path:
+        """The archive of finished study variants."""
+        return self.archive_dir or self.out_dir / "archive"
+
+    def archived_dir(self, variant: Variant) -> Path:
+        """A variant's directory in the archive."""
+        return self.archive / variant.name
 
     def run_dir(self, variant: Variant) -> Path:
         """The variant's `train.py` output directory."""
@@ -112,19 +161,18 @@ class AblationSettings:
         ]
 
     def train_arguments(self, variant: Variant) -> list[str]:
-        """The `train.py` arguments of a trained variant (its switches come last and win)."""
+        """The `train.py` arguments of a trained variant (its overrides come last and win)."""
         return [
             *self.shared_overrides(),
             f"output_dir={self.run_dir(variant)}",
-            f"model.token_table_path={self.out_dir / TOKEN_TABLE}",
+            f"model.token_table_path={self.token_table or 'null'}",
             f"optim.max_steps={self.steps}",
-            # evaluate once, at the end (the simulated tau of the table); checkpoint at the end
-            # and every quarter, so an interrupted variant resumes instead of restarting
-            "eval.every=0",
+            f"eval.every={self.eval_every}",
             # on every held-out block (paired across variants, with SEs: `block_metrics`)
             "eval.every_block=true",
-            f"eval.max_blocks={EVERY_BLOCK}",
-            f"checkpoint.every={max(1, self.steps // 4)}",
+            f"eval.max_blocks={self.eval_max_blocks}",
+            # an interrupted variant resumes from its last checkpoint instead of restarting
+            f"checkpoint.every={self.checkpoint_every}",
             "checkpoint.keep_last=1",
             "checkpoint.resume_from=latest",
             "logging.wandb=false",
@@ -139,7 +187,7 @@ class AblationSettings:
                                                 "max_prompt_chars")}
 
 
-def ensure_features(settings: AblationSettings) -> None:
+def ensure_features(settings: StudySettings) -> None:
     """Compute the target's features once into the shared cache (skipped when present)."""
     if (settings.features_dir / "train" / "index.json").is_file():
         print(f"[ablate] feature cache: reusing {settings.features_dir}")
@@ -149,7 +197,7 @@ def ensure_features(settings: AblationSettings) -> None:
                 *settings.shared_overrides(),
                 f"hydra.run.dir={settings.out_dir / '.hydra_cache_features'}"],
                settings.out_dir / "cache_features.log", "caching the target features",
-               error=AblationError)
+               error=StudyError)
 
 
 def _read_request(run_dir: Path) -> list[str] | None:
@@ -184,16 +232,16 @@ def check_run_dir(run_dir: Path, arguments: Sequence[str]) -> None:
     A directory holding anything without the runner's `request.json` is another run (a demo
     run, a hand-made folder): it is never reused as a variant's result, replaced or deleted.
     One whose `request.json` records other arguments is refused naming what differs.
-    `AblationError` in one line, before anything is written.
+    `StudyError` in one line, before anything is written.
     """
     if not written_here(run_dir):
-        raise AblationError(
+        raise StudyError(
             f"{run_dir}: holds files this runner did not write (no {REQUEST_FILE} recording its "
             "train.py arguments), e.g. another training run; it is never reused or deleted: "
             "move it away or use another --out")
     recorded = _read_request(run_dir)
     if recorded is not None and recorded != list(arguments):
-        raise AblationError(
+        raise StudyError(
             f"{run_dir} was trained with other arguments ({REQUEST_FILE} differs: "
             f"{_differences(recorded, arguments)}); delete it or use another --out")
 
@@ -208,31 +256,77 @@ def claim_run_dir(run_dir: Path, arguments: Sequence[str]) -> None:
                                                        indent=2))
 
 
+def resume_step(run_dir: Path) -> int:
+    """The step of the run's latest complete checkpoint (0 when none)."""
+    from dspine_train.training.checkpointing import STATE_FILE, complete_checkpoints
+
+    done = complete_checkpoints(run_dir / "checkpoints")
+    return int(json.loads((done[-1] / STATE_FILE).read_text())["step"]) if done else 0
+
+
+def sessions(run_dir: Path) -> list[Session]:
+    """The training sessions of a run (`sessions.json`)."""
+    path = run_dir / SESSIONS_FILE
+    return ([Session.from_json(item) for item in json.loads(path.read_text())]
+            if path.is_file() else [])
+
+
+def _write_sessions(run_dir: Path, records: list[Session]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / SESSIONS_FILE).write_text(json.dumps([s.to_json() for s in records], indent=2))
+
+
+def training_wall_s(run_dir: Path) -> float:
+    """Wall time of every training session of a run; a killed session (no end recorded)
+    counts until its metrics file was last written."""
+    total = 0.0
+    metrics = run_dir / "metrics.jsonl"
+    records = sessions(run_dir)
+    for index, session in enumerate(records):
+        end = session.end
+        if end is None and index + 1 < len(records):  # killed, then resumed: at most until
+            end = records[index + 1].start  # the next session started
+        elif end is None and metrics.is_file():
+            end = max(session.start, metrics.stat().st_mtime)
+        total += (end or session.start) - session.start
+    return total
+
+
 def train_variant(
-    settings: AblationSettings, variant: Variant, echo: bool = True, side_by_side: int = 1
+    settings: StudySettings, variant: Variant, echo: bool = True, side_by_side: int = 1
 ) -> bool:
     """Train one variant with `train.py` unless its export exists; True when it trained.
 
     A directory trained with other arguments, or holding another run (no `request.json`), is
-    refused (`check_run_dir`: never silently reused or overwritten). `echo=False` keeps the
-    run's output in its log only; `side_by_side` (how many trainings share the machine) is
-    recorded with the wall time.
+    refused (`check_run_dir`: never silently reused or overwritten); its `request.json` is
+    written first. An interrupted run resumes from its last checkpoint
+    (`checkpoint.resume_from=latest`). Every session's wall time is recorded in
+    `sessions.json`, a killed one's too; the last session's in `timing.json`. `echo=False`
+    keeps the run's output in its log only; `side_by_side` (how many trainings share the
+    machine) is recorded with the wall time.
     """
     run_dir, arguments = settings.run_dir(variant), settings.train_arguments(variant)
     claim_run_dir(run_dir, arguments)
     if (settings.export_dir(variant) / "config.json").is_file():
         print(f"[ablate] {variant.name}: export exists, skipping training")
         return False
-    from dspine_train.training.checkpointing import STATE_FILE, complete_checkpoints
-
-    # An interrupted run resumes from its last checkpoint (`checkpoint.resume_from=latest`).
-    done = complete_checkpoints(run_dir / "checkpoints")
-    resumed = json.loads((done[-1] / STATE_FILE).read_text())["step"] if done else 0
+    resumed = resume_step(run_dir)
     print(f"[ablate] {variant.name}: training {settings.steps} steps ({variant.description})"
           + (f", resuming at step {resumed}" if resumed else ""))
+    records = sessions(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    for session in records:
+        if session.end is None:  # killed: it ran until its last metrics line, which the
+            # resumed run is about to rewrite
+            last = metrics.stat().st_mtime if metrics.is_file() else session.start
+            session.end, session.killed = max(session.start, last), True
+    records.append(Session(time.time()))
+    _write_sessions(run_dir, records)
     start = time.perf_counter()
     run_logged([sys.executable, "train.py", *arguments], run_dir / "train.log",
-               f"training {variant.name}", echo=echo, error=AblationError)
+               f"training {variant.name}", echo=echo, error=StudyError)
+    records[-1].end = time.time()
+    _write_sessions(run_dir, records)
     # the wall time of this session: the steps from `resumed_from_step` on
     timing = {"train_wall_s": time.perf_counter() - start, "resumed_from_step": resumed,
               "side_by_side": side_by_side, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
@@ -248,7 +342,7 @@ def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> 
     directory and swapped in, so the destination is always a whole export, never missing.
     """
     if not (source / "config.json").is_file():
-        raise AblationError(f"{source}: no exported draft to derive from")
+        raise StudyError(f"{source}: no exported draft to derive from")
     clean_dead_builds(destination)
     tmp = build_dir(destination)
     try:
@@ -269,14 +363,13 @@ def derive_export(source: Path, destination: Path, switches: dict[str, Any]) -> 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def derived_request(settings: AblationSettings, variant: Variant) -> list[str]:
+def derived_request(settings: StudySettings, variant: Variant) -> list[str]:
     """What a derived variant's folder is made from, recorded as its `request.json`: the
-    source variant's export and the switches written into it."""
-    return [f"derived_from={settings.export_dir(_variant_named(variant.reuse))}",
-            *variant.hydra_overrides()]
+    source variant's export and the overrides written into it."""
+    return [f"derived_from={settings.export_dir(_source(variant))}", *variant.hydra_overrides()]
 
 
-def prepare_variants(settings: AblationSettings, variants: Sequence[Variant], jobs: int = 1) -> None:
+def prepare_variants(settings: StudySettings, variants: Sequence[Variant], jobs: int = 1) -> None:
     """Train the trained variants (`jobs` at a time), then derive the others' exports.
 
     Every variant's folder is checked first (`check_run_dir`): one holding another run, or
@@ -298,30 +391,34 @@ def prepare_variants(settings: AblationSettings, variants: Sequence[Variant], jo
     for variant in variants:
         if variant.trained:
             continue
-        source = settings.export_dir(_variant_named(variant.reuse))
+        source = settings.export_dir(_source(variant))
         claim_run_dir(settings.run_dir(variant), derived_request(settings, variant))
         # Cheap (hard links + one small JSON), so always redone: it follows the source's weights.
-        derive_export(source, settings.export_dir(variant), variant.switches)
-        print(f"[ablate] {variant.name}: derived from {source} with {variant.switches}")
+        switches = variant.switches()
+        derive_export(source, settings.export_dir(variant), switches)
+        print(f"[ablate] {variant.name}: derived from {source} with {switches}")
 
 
-def _variant_named(name: str | None) -> Variant:
-    from .variants import VARIANTS
+def _source(variant: Variant) -> Variant:
+    """The variant whose weights `variant` decodes (itself when trained)."""
+    if variant.trained:
+        return variant
+    try:
+        return variant_named(variant.reuse)
+    except ValueError as err:
+        raise StudyError(f"variant {variant.name}: {err}") from err
 
-    if name not in VARIANTS:
-        raise AblationError(f"unknown variant {name!r}")
-    return VARIANTS[name]
 
-
-def source_run_dir(settings: AblationSettings, variant: Variant) -> Path:
+def source_run_dir(settings: StudySettings, variant: Variant) -> Path:
     """The directory of the training run behind a variant's weights."""
-    return settings.run_dir(_variant_named(variant.reuse) if variant.reuse else variant)
+    return settings.run_dir(_source(variant))
 
 
 def evaluate_variant(
-    settings: AblationSettings, variant: Variant, engine_eval: Callable[[Path], list[dict]]
-) -> dict[str, Any]:
-    """Simulated and engine-measured acceptance of the variant's export (cached on disk).
+    settings: StudySettings, variant: Variant, engine_eval: Callable[[Path], list[dict]]
+) -> Evaluation:
+    """Simulated and engine-measured acceptance of the variant's export, at the run's own
+    evaluation settings (cached in `evaluation.json` for the same weights and request).
 
     `engine_eval(draft_dir) -> list[dict]` runs the evaluation harness on one export; it is
     injected so the caller decides how the target is loaded and shared between variants.
@@ -333,8 +430,8 @@ def evaluate_variant(
     export = settings.export_dir(variant)
     weights_stamp = os.stat(export / "model.safetensors").st_mtime_ns
     if path.is_file():
-        cached = json.loads(path.read_text())
-        if cached.get("request") == request and cached.get("weights_mtime_ns") == weights_stamp:
+        cached = Evaluation.from_json(json.loads(path.read_text()))
+        if cached.request == request and cached.weights_mtime_ns == weights_stamp:
             print(f"[ablate] {variant.name}: evaluation exists, skipping")
             return cached
     print(f"[ablate] {variant.name}: evaluating")
@@ -350,13 +447,48 @@ def evaluate_variant(
         stats.save(settings.run_dir(variant) / BLOCKS_FILE)
     start = time.perf_counter()
     engine = engine_eval(export)
-    result = {"request": request, "weights_mtime_ns": weights_stamp, "simulated": simulated,
-              "engine": engine, "engine_wall_s": time.perf_counter() - start}
-    path.write_text(json.dumps(result, indent=2))
+    result = Evaluation(weights_stamp, simulated, engine, time.perf_counter() - start, request)
+    path.write_text(json.dumps(result.to_json(), indent=2))
     return result
 
 
-def harness_evaluator(target: str, settings: AblationSettings,
+def finished_result(settings: StudySettings, variant: Variant) -> Evaluation | None:
+    """The variant's final evaluation (`evaluate_final`), when it exists for the current
+    export."""
+    path = settings.run_dir(variant) / RESULT_FILE
+    weights = settings.export_dir(variant) / "model.safetensors"
+    if not (path.is_file() and weights.is_file()):
+        return None
+    result = Evaluation.from_json(json.loads(path.read_text()))
+    return result if result.weights_mtime_ns == weights.stat().st_mtime_ns else None
+
+
+def evaluate_final(settings: StudySettings, variant: Variant,
+                   engine_eval: Callable[[Path], list[dict]]) -> Evaluation:
+    """The study's final evaluation: simulated tau on `final_max_blocks` held-out blocks and
+    engine tau on held-out prompts (none when `limit` is 0); written to `result.json`."""
+    from .simulated import load_run_config, simulated_acceptance
+
+    run_dir = settings.run_dir(variant)
+    export = settings.export_dir(variant)
+    config = load_run_config(run_dir / RUN_CONFIG)
+    start = time.perf_counter()
+    blocks = simulated_acceptance(export, config, max_blocks=settings.final_max_blocks)
+    if not isinstance(blocks, BlockResults):
+        raise StudyError(f"{variant.name}: the run has no held-out split to evaluate "
+                         "(data.eval_path / eval_split)")
+    blocks.save(run_dir / BLOCKS_FILE)
+    simulated_s = time.perf_counter() - start
+    start = time.perf_counter()
+    engine = engine_eval(export) if settings.limit > 0 else []
+    result = Evaluation((export / "model.safetensors").stat().st_mtime_ns,
+                        blocks.summary() | {"wall_s": simulated_s}, engine,
+                        time.perf_counter() - start, settings.evaluation_request())
+    (run_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=2, default=str))
+    return result
+
+
+def harness_evaluator(target: str, settings: StudySettings,
                       ar_cache: dict | None = None) -> Callable[[Path], list[dict]]:
     """`export_dir -> [BenchResult as dict]`: the evaluation harness on one draft export.
 
@@ -364,7 +496,7 @@ def harness_evaluator(target: str, settings: AblationSettings,
     does not depend on the draft) runs once per benchmark (`harness.evaluate`).
 
     A failure (bad benchmark, incompatible draft, a prompt the caches cannot hold) becomes an
-    `AblationError` naming the export.
+    `StudyError` naming the export.
     """
     from data_prep.benchmarks import load_benchmark
     from dspine_train.engine import CheckpointError, GenerationInputError, IncompatibleDraftError
@@ -384,110 +516,6 @@ def harness_evaluator(target: str, settings: AblationSettings,
             )
         except (harness.BenchmarkError, CheckpointError, IncompatibleDraftError,
                 GenerationInputError, ValueError) as err:
-            raise AblationError(f"evaluating {export_dir}: {err}") from err
+            raise StudyError(f"evaluating {export_dir}: {err}") from err
         return [asdict(r) for r in results]
     return run
-
-
-def settings_record(settings: AblationSettings) -> dict[str, Any]:
-    """The settings as JSON-ready values."""
-    return {key: str(value) if isinstance(value, Path) else value
-            for key, value in asdict(settings).items()}
-
-
-def collect_row(
-    settings: AblationSettings, variant: Variant, evaluation: dict[str, Any]
-) -> dict[str, Any]:
-    """One table row: the variant, the budget its weights were trained with (read back from
-    the run's own saved config), its final losses and its evaluation."""
-    from dspine_train.training.tracking import read_metrics
-
-    from .report import final_losses
-    from .simulated import load_run_config
-
-    run_dir = source_run_dir(settings, variant)
-    config = load_run_config(run_dir / RUN_CONFIG)
-    history = read_metrics(run_dir / "metrics.jsonl")
-    trainer_tau = [row["eval/tau"] for row in history if "eval/tau" in row]
-    timing_path = run_dir / "timing.json"
-    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
-    return {
-        "variant": variant.name,
-        "description": variant.description,
-        "switches": variant.switches,
-        "trained": variant.trained,
-        "reuse": variant.reuse,
-        "run": {
-            "dir": str(run_dir),
-            "recipe": config.name,
-            "steps": config.optim.max_steps,
-            "seed": config.seed,
-            "train_path": config.data.train_path,
-            "offline_features_dir": config.data.offline_features_dir,
-            "batch_size": config.data.batch_size,
-            "num_anchors": config.data.num_anchors,
-            "max_length": config.data.max_length,
-            "lr": config.optim.lr,
-            "precision": config.precision.value,
-        },
-        "train_wall_s": timing.get("train_wall_s"),
-        "resumed_from_step": timing.get("resumed_from_step", 0),
-        "final_losses": final_losses(history, config.optim.max_steps),
-        # the trainer evaluated the source variant's decode, not a derived one's
-        "trainer_sim_tau": trainer_tau[-1] if trainer_tau and variant.trained else None,
-        "simulated": evaluation["simulated"],
-        "paired_vs_dspine": _paired_vs_dspine(settings, variant),
-        "engine": evaluation["engine"],
-    }
-
-
-def _paired_vs_dspine(settings: AblationSettings, variant: Variant) -> dict[str, float] | None:
-    """The variant's simulated tau minus `dspine`'s on the same held-out blocks, with SEs."""
-    from dspine_train.evaluation.block_metrics import paired_difference
-
-    mine = settings.run_dir(variant) / BLOCKS_FILE
-    reference = settings.out_dir / "dspine" / BLOCKS_FILE
-    if variant.name == "dspine" or not (mine.is_file() and reference.is_file()):
-        return None
-    try:
-        return paired_difference(BlockResults.load(mine), BlockResults.load(reference))
-    except ValueError:  # other blocks (another block size): no paired figure
-        return None
-
-
-BUDGET_KEYS = ("steps", "seed", "train_path", "offline_features_dir", "batch_size",
-               "num_anchors", "max_length", "lr", "precision")
-
-
-def same_budget(rows: list[dict[str, Any]]) -> bool:
-    """Whether every row's weights were trained with the same data, budget and seed."""
-    budgets = {tuple(row["run"][k] for k in BUDGET_KEYS) for row in rows}
-    return len(budgets) == 1
-
-
-def config_differences(settings: AblationSettings, variants: Sequence[Variant]) -> list[str]:
-    """Keys of the trained runs' saved configs that differ, besides the variants' switches.
-
-    Empty when the runs are identical except for what the ablation changes on purpose (a
-    recipe edited between two runs would show up here).
-    """
-    from omegaconf import OmegaConf
-
-    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(node, dict):
-            out: dict[str, Any] = {}
-            for key, value in node.items():
-                out.update(flat(value, f"{prefix}{key}."))
-            return out
-        return {prefix[:-1]: node}
-
-    trained = [v for v in variants if v.trained]
-    switched = {f"model.{k}" for v in trained for k in v.switches}
-    configs = []
-    for variant in trained:
-        config = flat(OmegaConf.to_container(OmegaConf.load(settings.run_dir(variant) / RUN_CONFIG)))
-        for key in ["output_dir", *switched]:
-            config.pop(key, None)
-        configs.append(config)
-    keys = sorted({k for c in configs for k in c})
-    return [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]

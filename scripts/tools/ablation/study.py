@@ -34,41 +34,38 @@ study's size: the smoke run (`scripts/study.py run --smoke`) is the same code on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
-import re
 import shutil
-import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dspine_train.evaluation.block_metrics import BlockResults, paired_difference
 from dspine_train.training.config import compose_train_config
 from scripts.tools import REPO
-from scripts.tools.child_runs import run_logged
 
+from .records import Evaluation, StudyRecord
 from .runner import (
-    REQUEST_FILE,
+    BLOCKS_FILE,
     RUN_CONFIG,
-    AblationError,
-    AblationSettings,
+    StudyError,
+    StudySettings,
     check_run_dir,
-    claim_run_dir,
     ensure_features,
+    evaluate_final,
+    finished_result,
     harness_evaluator,
+    sessions,
     train_variant,
-    written_here,
+    training_wall_s,
 )
-from .study_variants import REFERENCE, STUDY_VARIANTS, StudyVariant
+from .study_plan import check_plan_dir, measure_plan, plan_lines
+from .variants import REFERENCE, STUDY, VARIANTS, Variant
 
-RESULT_FILE = "result.json"
-SESSIONS_FILE = "sessions.json"
-PLAN_FILE = "plan.json"
-BLOCKS_FILE = "simulated_blocks.npz"
 RECORD_FILE = "record.json"
 FINDINGS_FILE = "findings.md"  # hand-written reading of the report, beside the archive
 STEP_TIMES_FILE = "step_times.json"  # `study.py steps`, beside the archive
@@ -81,72 +78,8 @@ PATH_ARGUMENTS = ("output_dir=", "model.target_path=", "data.train_path=",
                   "data.offline_features_dir=")
 
 
-class StudyError(AblationError):
-    """A stage of the study failed or a variant is misdefined; the message names it."""
-
-
-@dataclass
-class StudySettings(AblationSettings):
-    """What every variant of the study shares (see `AblationSettings` for the rest).
-
-    Attributes:
-        eval_every: optimizer steps between the trainer's evaluations (the learning curves).
-        eval_max_blocks: blocks of the periodic evaluation: a fixed uniform draw of the
-            held-out blocks, the same for every variant and step.
-        final_max_blocks: blocks of the final evaluation (0: every held-out block; else a
-            fixed uniform draw of that many, when there are more).
-        checkpoint_every: optimizer steps between checkpoints (what a kill loses at most).
-        plan_steps: steps of the short run that measures each variant's s/step.
-        report_stem: the report's path without suffix (default `<out_dir>/report`).
-        command: the command line recorded in the report.
-        archive_dir: where finished variants are archived (module docstring; default
-            `<out_dir>/archive`).
-    """
-
-    eval_every: int = 250
-    eval_max_blocks: int = 4096
-    final_max_blocks: int = 16384
-    checkpoint_every: int = 250
-    plan_steps: int = 4
-    report_stem: Path | None = None
-    command: str = ""
-    archive_dir: Path | None = None
-
-    def train_arguments(self, variant: Any) -> list[str]:
-        """The `train.py` arguments of a variant (its overrides come last and win)."""
-        return [
-            *self.shared_overrides(),
-            f"output_dir={self.run_dir(variant)}",
-            # per run: the SpecForge variant's token codes have another width
-            "model.token_table_path=null",
-            f"optim.max_steps={self.steps}",
-            f"eval.every={self.eval_every}",
-            "eval.every_block=true",
-            f"eval.max_blocks={self.eval_max_blocks}",
-            f"checkpoint.every={self.checkpoint_every}",
-            "checkpoint.keep_last=1",
-            "checkpoint.resume_from=latest",
-            "logging.wandb=false",
-            *variant.hydra_overrides(),
-        ]
-
-    @property
-    def report_path(self) -> Path:
-        """Report path without suffix."""
-        return self.report_stem or self.out_dir / "report"
-
-    @property
-    def archive(self) -> Path:
-        """The archive of finished variants."""
-        return self.archive_dir or self.out_dir / "archive"
-
-    def archived_dir(self, variant: Any) -> Path:
-        """A variant's directory in the archive."""
-        return self.archive / variant.name
-
-
 # ------------------------------------------------------------------------- variant checks
-def check_variant_overrides(settings: StudySettings, variants: Sequence[StudyVariant]) -> None:
+def check_variant_overrides(settings: StudySettings, variants: Sequence[Variant]) -> None:
     """Compose every variant's config and derive its draft config, before anything trains.
 
     Raises `StudyError` naming the variant and the first problem (an override key the schema
@@ -174,185 +107,6 @@ def check_variant_overrides(settings: StudySettings, variants: Sequence[StudyVar
     if problems:
         raise StudyError("the study cannot start, fix these variants first:\n  "
                          + "\n  ".join(problems))
-
-
-# ------------------------------------------------------------------------- wall-time plan
-TQDM_RATE = re.compile(r"(\d+(?:\.\d+)?)(s/step|step/s|s/it|it/s)")
-
-
-def seconds_per_step(log_text: str) -> float | None:
-    """The last rate tqdm printed for the training bar in a `train.py` log, as s/step."""
-    rates = [m for line in log_text.replace("\r", "\n").splitlines() if line.startswith("train")
-             for m in TQDM_RATE.finditer(line)]
-    if not rates:
-        return None
-    value, unit = float(rates[-1].group(1)), rates[-1].group(2)
-    return value if unit.startswith("s/") else 1.0 / max(value, 1e-9)
-
-
-def plan_dir(settings: StudySettings, variant: StudyVariant) -> Path:
-    """The scratch run that measures a variant's step time (`measure_plan`)."""
-    return settings.out_dir / "plan" / variant.name
-
-
-def check_plan_dir(settings: StudySettings, variant: StudyVariant) -> None:
-    """Refuse a plan folder the study did not write: the study replaces its own plan runs
-    (they hold its `request.json`), never another folder."""
-    run_dir = plan_dir(settings, variant)
-    if not written_here(run_dir):
-        raise StudyError(f"{run_dir}: holds files the study did not write (no {REQUEST_FILE}); "
-                         "the study replaces only its own step-time runs there: move it away "
-                         "or use another --out")
-
-
-def measure_plan(settings: StudySettings, variants: Sequence[StudyVariant],
-                 finished: Callable[[StudyVariant], bool]) -> dict[str, Any]:
-    """s/step of each unfinished variant from `plan_steps` steps (cached in plan.json)."""
-    path = settings.out_dir / PLAN_FILE
-    plan = json.loads(path.read_text()) if path.is_file() else {}
-    for variant in variants:
-        measured = plan.get(variant.name, {}).get("s_per_step") is not None
-        if measured or finished(variant) or settings.plan_steps <= 0:
-            continue
-        run_dir = plan_dir(settings, variant)
-        check_plan_dir(settings, variant)
-        shutil.rmtree(run_dir, ignore_errors=True)  # the study's own earlier plan run
-        arguments = [a for a in settings.train_arguments(variant)
-                     if not a.startswith(("output_dir=", "checkpoint.resume_from=",
-                                          "eval.max_blocks="))]
-        arguments += [f"output_dir={run_dir}", f"optim.max_steps={settings.plan_steps}",
-                      "eval.max_blocks=8", "checkpoint.every=0"]
-        claim_run_dir(run_dir, arguments)  # marks the folder as the study's
-        start = time.perf_counter()
-        run_logged([sys.executable, "train.py", *arguments], run_dir / "train.log",
-                   f"measuring {variant.name}'s step time", echo=False, error=AblationError)
-        wall = time.perf_counter() - start
-        rate = seconds_per_step((run_dir / "train.log").read_text(errors="replace"))
-        # without a bar (a changed trainer), the whole run's wall time is an upper bound
-        source = "training bar" if rate is not None else "run wall time / steps (upper bound)"
-        plan[variant.name] = {"s_per_step": rate or wall / settings.plan_steps,
-                              "from": source, "steps": settings.plan_steps, "run_wall_s": wall}
-        path.write_text(json.dumps(plan, indent=2))
-    return plan
-
-
-def plan_lines(settings: StudySettings, variants: Sequence[StudyVariant],
-               plan: dict[str, Any]) -> list[str]:
-    """The wall-time plan printed before training."""
-    lines = [f"wall-time plan: {settings.steps} steps per variant, evaluation every "
-             f"{settings.eval_every} steps on {settings.eval_max_blocks} held-out blocks "
-             "(evaluation and the final engine run come on top)"]
-    total = 0.0
-    for variant in variants:
-        rate = plan.get(variant.name, {}).get("s_per_step")
-        if rate is None:
-            lines.append(f"  {variant.name:<24} finished or not measured")
-            continue
-        remaining = settings.steps - resume_step(settings.run_dir(variant))
-        hours = rate * remaining / 3600
-        total += hours
-        lines.append(f"  {variant.name:<24} {rate:6.2f} s/step x {remaining} steps left -> "
-                     f"{hours:5.2f} h of training")
-    lines.append(f"  total training: {total:.2f} h")
-    return lines
-
-
-def resume_step(run_dir: Path) -> int:
-    """The step of the run's latest complete checkpoint (0 when none)."""
-    from dspine_train.training.checkpointing import STATE_FILE, complete_checkpoints
-
-    done = complete_checkpoints(run_dir / "checkpoints")
-    return int(json.loads((done[-1] / STATE_FILE).read_text())["step"]) if done else 0
-
-
-# ------------------------------------------------------------------------- one variant
-def _sessions(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / SESSIONS_FILE
-    return json.loads(path.read_text()) if path.is_file() else []
-
-
-def _write_sessions(run_dir: Path, sessions: list[dict[str, Any]]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / SESSIONS_FILE).write_text(json.dumps(sessions, indent=2))
-
-
-def training_wall_s(run_dir: Path) -> float:
-    """Wall time of every training session of a run; a killed session (no end recorded)
-    counts until its metrics file was last written."""
-    total = 0.0
-    metrics = run_dir / "metrics.jsonl"
-    sessions = _sessions(run_dir)
-    for index, session in enumerate(sessions):
-        end = session.get("end")
-        if end is None and index + 1 < len(sessions):  # killed, then resumed: at most until
-            end = sessions[index + 1]["start"]  # the next session started
-        elif end is None and metrics.is_file():
-            end = max(session["start"], metrics.stat().st_mtime)
-        total += (end or session["start"]) - session["start"]
-    return total
-
-
-def finished_result(settings: StudySettings, variant: StudyVariant) -> dict[str, Any] | None:
-    """The variant's final result, when it exists for the current export."""
-    path = settings.run_dir(variant) / RESULT_FILE
-    weights = settings.export_dir(variant) / "model.safetensors"
-    if not (path.is_file() and weights.is_file()):
-        return None
-    result = json.loads(path.read_text())
-    return result if result.get("weights_mtime_ns") == weights.stat().st_mtime_ns else None
-
-
-def train_with_sessions(settings: StudySettings, variant: StudyVariant) -> None:
-    """`runner.train_variant` (skip when exported, resume from the last checkpoint), with
-    the session's wall time recorded even when it is killed."""
-    run_dir = settings.run_dir(variant)
-    # the folder's request.json first: it proves the folder is this study's (`check_run_dir`)
-    claim_run_dir(run_dir, settings.train_arguments(variant))
-    if (settings.export_dir(variant) / "config.json").is_file():
-        train_variant(settings, variant)  # prints the skip
-        return
-    sessions = _sessions(run_dir)
-    metrics = run_dir / "metrics.jsonl"
-    for session in sessions:
-        if session.get("end") is None:  # killed: it ran until its last metrics line, which
-            # the resumed run is about to rewrite
-            last = metrics.stat().st_mtime if metrics.is_file() else session["start"]
-            session.update(end=max(session["start"], last), killed=True)
-    sessions.append({"start": time.time(), "end": None})
-    _write_sessions(run_dir, sessions)
-    train_variant(settings, variant)
-    sessions[-1]["end"] = time.time()
-    _write_sessions(run_dir, sessions)
-
-
-def evaluate_final(settings: StudySettings, variant: StudyVariant, target: str) -> dict[str, Any]:
-    """Simulated tau on every held-out block and engine tau on held-out prompts (lossless
-    checked against plain decoding); written to `<variant>/result.json`."""
-    from .simulated import load_run_config, simulated_acceptance
-
-    run_dir = settings.run_dir(variant)
-    export = settings.export_dir(variant)
-    config = load_run_config(run_dir / RUN_CONFIG)
-    start = time.perf_counter()
-    blocks = simulated_acceptance(export, config, max_blocks=settings.final_max_blocks)
-    if not isinstance(blocks, BlockResults):
-        raise StudyError(f"{variant.name}: the run has no held-out split to evaluate "
-                         "(data.eval_path / eval_split)")
-    blocks.save(run_dir / BLOCKS_FILE)
-    simulated_s = time.perf_counter() - start
-    start = time.perf_counter()
-    engine = (harness_evaluator(target, settings, PLAIN_DECODING)(export) if settings.limit > 0
-              else [])
-    result = {
-        "variant": variant.name,
-        "weights_mtime_ns": (export / "model.safetensors").stat().st_mtime_ns,
-        "simulated": blocks.summary() | {"wall_s": simulated_s},
-        "engine": engine,
-        "engine_wall_s": time.perf_counter() - start,
-        "engine_request": settings.evaluation_request(),
-    }
-    (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2, default=str))
-    return result
 
 
 # ------------------------------------------------------------------------- records
@@ -390,8 +144,8 @@ def paired_by_step(run_dir: Path, reference_dir: Path) -> dict[int, dict[str, fl
     return out
 
 
-def variant_record(settings: StudySettings, variant: StudyVariant,
-                   result: dict[str, Any]) -> dict[str, Any]:
+def variant_record(settings: StudySettings, variant: Variant,
+                   result: Evaluation) -> StudyRecord:
     """Everything the report shows about one finished variant (paired differences are added
     from the archive when the report is written: `with_pairs`)."""
     from dspine_train.training.tracking import read_metrics
@@ -402,39 +156,37 @@ def variant_record(settings: StudySettings, variant: StudyVariant,
     run_dir = settings.run_dir(variant)
     config = load_run_config(run_dir / RUN_CONFIG)
     history = read_metrics(run_dir / "metrics.jsonl")
-    return {
-        "variant": variant.name, "description": variant.description,
-        "overrides": list(variant.overrides),
-        "steps": config.optim.max_steps, "seed": config.seed,
-        "batch_size": config.data.batch_size, "precision": config.precision.value,
-        "block_size": len(result["simulated"]["acceptance_by_position"]) + 1,
-        "train_wall_s": training_wall_s(run_dir), "sessions": len(_sessions(run_dir)),
-        "final_losses": final_losses(history, config.optim.max_steps),
-        "curve": curve(run_dir), "simulated": result["simulated"], "engine": result["engine"],
-        "engine_wall_s": result.get("engine_wall_s"),
-    }
+    return StudyRecord(
+        variant=variant.name, description=variant.description,
+        overrides=list(variant.overrides),
+        steps=config.optim.max_steps, seed=config.seed,
+        batch_size=config.data.batch_size, precision=config.precision.value,
+        block_size=len(result.simulated["acceptance_by_position"]) + 1,
+        train_wall_s=training_wall_s(run_dir), sessions=len(sessions(run_dir)),
+        final_losses=final_losses(history, config.optim.max_steps),
+        curve=curve(run_dir), simulated=result.simulated, engine=result.engine,
+        engine_wall_s=result.engine_wall_s)
 
 
-def with_pairs(archive: Path, record: dict[str, Any]) -> dict[str, Any]:
+def with_pairs(archive: Path, record: StudyRecord) -> StudyRecord:
     """The record plus its paired differences to the reference (final blocks and every
     periodic evaluation), read from the per-block results in `archive`."""
-    if record["variant"] == REFERENCE:
+    if record.variant == REFERENCE:
         return record
-    own, reference = archive / record["variant"], archive / REFERENCE
+    own, reference = archive / record.variant, archive / REFERENCE
     if not (reference / BLOCKS_FILE).is_file():
         return record  # the reference is not finished yet
-    out = dict(record)
     try:
-        out["paired_vs_reference"] = paired_difference(BlockResults.load(own / BLOCKS_FILE),
-                                                       BlockResults.load(reference / BLOCKS_FILE))
+        paired = paired_difference(BlockResults.load(own / BLOCKS_FILE),
+                                   BlockResults.load(reference / BLOCKS_FILE))
     except ValueError as err:
-        out["paired_vs_reference"] = {"error": str(err)}
-    out["paired_curve"] = {str(k): v for k, v in paired_by_step(own, reference).items()}
-    return out
+        paired = {"error": str(err)}
+    return dataclasses.replace(record, paired_vs_reference=paired, paired_curve={
+        str(k): v for k, v in paired_by_step(own, reference).items()})
 
 
 # ------------------------------------------------------------------------- the archive
-def study_request(settings: StudySettings, variant: StudyVariant, data: str) -> dict[str, Any]:
+def study_request(settings: StudySettings, variant: Variant, data: str) -> dict[str, Any]:
     """What decides a variant's archived result, without this machine's paths: its `train.py`
     arguments, the final evaluation's settings and `data`, the study data's rows and tokens
     (`report.data_summary` of the training data)."""
@@ -445,8 +197,8 @@ def study_request(settings: StudySettings, variant: StudyVariant, data: str) -> 
             "final_max_blocks": settings.final_max_blocks, "engine": engine, "data": data}
 
 
-def archived_record(settings: StudySettings, variant: StudyVariant,
-                    request: dict[str, Any]) -> dict[str, Any] | None:
+def archived_record(settings: StudySettings, variant: Variant,
+                    request: dict[str, Any]) -> StudyRecord | None:
     """The variant's archived record, or None when it is not archived.
 
     Raises `StudyError` when it was archived for another request (naming what differs): its
@@ -455,8 +207,8 @@ def archived_record(settings: StudySettings, variant: StudyVariant,
     path = settings.archived_dir(variant) / RECORD_FILE
     if not path.is_file():
         return None
-    record = json.loads(path.read_text())
-    archived = record.get("request", {})
+    record = StudyRecord.from_json(json.loads(path.read_text()))
+    archived = record.request or {}
     if archived != request:
         changed = [f"{k}: {archived.get(k)!r} -> {request[k]!r}" for k in request
                    if archived.get(k) != request[k]]
@@ -466,7 +218,7 @@ def archived_record(settings: StudySettings, variant: StudyVariant,
     return record
 
 
-def archive_variant(settings: StudySettings, variant: StudyVariant, record: dict[str, Any],
+def archive_variant(settings: StudySettings, variant: Variant, record: StudyRecord,
                     request: dict[str, Any], meta: dict[str, Any]) -> Path:
     """Copy a finished variant's record and per-block results into the archive (the record
     last, so an interrupted copy leaves the variant unarchived)."""
@@ -481,8 +233,8 @@ def archive_variant(settings: StudySettings, variant: StudyVariant, record: dict
     session = {k: meta.get(k) for k in ("commit", "dirty", "machine", "date", "command",
                                         "features_digest")}
     session["s_per_step_plan"] = meta.get("plan", {}).get(variant.name, {}).get("s_per_step")
-    write_json_atomic(target / RECORD_FILE, dict(record, request=request, session=session),
-                      default=str)
+    write_json_atomic(target / RECORD_FILE, dataclasses.replace(
+        record, request=request, session=session).to_json(), default=str)
     return target
 
 
@@ -545,8 +297,9 @@ def rewrite_report(archive: Path, stem: Path) -> list[Path]:
     meta["study_variants"] = study_variant_names([])
     if "target_title" not in meta and Path(meta.get("target", "")).is_dir():  # older pieces
         meta["target_title"] = target_title(meta["target"])
-    records = [with_pairs(archive, json.loads((archive / name / RECORD_FILE).read_text()))
-               for name in STUDY_VARIANTS if (archive / name / RECORD_FILE).is_file()]
+    records = [with_pairs(archive, StudyRecord.from_json(
+        json.loads((archive / name / RECORD_FILE).read_text())))
+               for name in STUDY.rows if (archive / name / RECORD_FILE).is_file()]
     if not records:
         raise StudyError(f"{archive}: no archived variant (no */{RECORD_FILE})")
     return write_study_report(records, meta, stem, archive.parent / FINDINGS_FILE,
@@ -554,24 +307,24 @@ def rewrite_report(archive: Path, stem: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------- the study
-def study_variant_names(variants: Sequence[StudyVariant]) -> list[str]:
+def study_variant_names(variants: Sequence[Variant]) -> list[str]:
     """The study's rows in report order: every non-optional variant and the ones chosen."""
     chosen = {v.name for v in variants}
-    return [name for name, v in STUDY_VARIANTS.items() if not v.optional or name in chosen]
+    return [name for name in STUDY.rows if name not in STUDY.optional or name in chosen]
 
 
-def report_variants(settings: StudySettings, variants: Sequence[StudyVariant]
-                    ) -> list[StudyVariant]:
+def report_variants(settings: StudySettings, variants: Sequence[Variant]
+                    ) -> list[Variant]:
     """The report's rows: the variants run now plus every other study variant already in the
     archive, in the report's order (a piece run with `--variants` keeps the earlier rows)."""
     chosen = {v.name: v for v in variants}
-    rows = [chosen.get(v.name, v) for v in STUDY_VARIANTS.values()]
-    rows += [v for v in variants if v.name not in STUDY_VARIANTS]
+    rows = [chosen.get(name, VARIANTS[name]) for name in STUDY.rows]
+    rows += [v for v in variants if v.name not in STUDY.rows]
     return [v for v in rows
             if v.name in chosen or (settings.archived_dir(v) / RECORD_FILE).is_file()]
 
 
-def check_variant_dirs(settings: StudySettings, variants: Sequence[StudyVariant]) -> None:
+def check_variant_dirs(settings: StudySettings, variants: Sequence[Variant]) -> None:
     """Before anything runs: every variant still to run (not archived) has no folder, or the
     study's own for the same `train.py` arguments (its `request.json`), and a plan folder the
     study wrote. A foreign folder (another run's export, metrics, ...) or another request is
@@ -583,7 +336,7 @@ def check_variant_dirs(settings: StudySettings, variants: Sequence[StudyVariant]
         check_plan_dir(settings, variant)
 
 
-def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
+def run_study(settings: StudySettings, variants: Sequence[Variant], *,
               target: str, stop_after: int | None = None) -> list[Path]:
     """Every variant in turn: plan, train (skip/resume), final evaluation, report.
 
@@ -626,9 +379,10 @@ def run_study(settings: StudySettings, variants: Sequence[StudyVariant], *,
             check_run_dir(settings.run_dir(variant), settings.train_arguments(variant))
             result = finished_result(settings, variant)
             if result is None:
-                train_with_sessions(settings, variant)
+                train_variant(settings, variant)
                 print(f"[study] {variant.name}: final evaluation", flush=True)
-                result = evaluate_final(settings, variant, target)
+                result = evaluate_final(settings, variant, lambda export: harness_evaluator(
+                    target, settings, PLAIN_DECODING)(export))
             done_now += 1
             where = archive_variant(settings, variant, variant_record(settings, variant, result),
                                     request, meta)

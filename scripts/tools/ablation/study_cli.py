@@ -171,8 +171,9 @@ def run_command(args: argparse.Namespace) -> int:
     """`run`: the study (or its smoke run)."""
     from dspine_train.training.config import compose_train_config
 
-    from .study import StudyError, StudySettings, run_study
-    from .study_variants import select_study_variants
+    from .runner import StudyError, StudySettings
+    from .study import run_study
+    from .variants import STUDY
 
     data = data_settings(args)
     names = args.variants or []
@@ -183,7 +184,7 @@ def run_command(args: argparse.Namespace) -> int:
         args.eval_every, args.checkpoint_every = min(args.eval_every, 10), min(
             args.checkpoint_every, 10)
         args.eval_max_blocks = min(args.eval_max_blocks, 256)
-    variants = select_study_variants(names)
+    variants = STUDY.select(names)
     out = args.out or args.root / ("smoke" if args.smoke else "run")
     overrides = [f"recipe={RECIPE}", f"seed={args.seed}", *shared_overrides(args, data)]
     if args.smoke:
@@ -219,14 +220,14 @@ def steps_command(args: argparse.Namespace) -> int:
     from dspine_train.training.config import compose_train_config
 
     from .report import git_commit
-    from .study import STEP_TIMES_FILE, StudyError, StudySettings
+    from .runner import StudyError, StudySettings
+    from .study import STEP_TIMES_FILE
     from .study_report import step_lines
     from .study_steps import time_steps, write_step_times
-    from .study_variants import STUDY_VARIANTS, select_study_variants
+    from .variants import STUDY
 
     data = data_settings(args)
-    names = args.variants or list(STUDY_VARIANTS)
-    variants = select_study_variants(names)
+    variants = STUDY.select(args.variants or STUDY.rows)
     features = args.root / "features"
     overrides = [f"recipe={RECIPE}", f"seed={args.seed}", *shared_overrides(args, data)]
     config = compose_train_config(*overrides, f"data.offline_features_dir={features}")
@@ -250,7 +251,7 @@ def steps_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; a failure prints its message and returns 1."""
-    from .runner import AblationError
+    from .runner import StudyError
 
     args = build_parser().parse_args(argv)
     try:
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                           *shared_overrides(args, settings)],
                                args.root / "features")
         elif args.command == "report":
-            from .study import StudyError, rewrite_report
+            from .study import rewrite_report
 
             if args.report_stem is None and not (args.archive / "started.json").is_file():
                 raise StudyError(f"{args.archive / 'started.json'}: missing, so the report's "
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             return steps_command(args)
         else:
             return run_command(args)
-    except (AblationError, RuntimeError, ValueError, OSError) as err:
+    except (StudyError, RuntimeError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -389,7 +389,7 @@ def cache_features(settings: StudyDataSettings, overrides: list[str], features_d
     when the cache is complete."""
     from scripts.tools.child_runs import run_logged
 
-    from .runner import AblationError
+    from .runner import StudyError
 
     if (features_dir / "train" / "index.json").is_file() and \
             (features_dir / "eval" / "index.json").is_file():
@@ -401,7 +401,7 @@ def cache_features(settings: StudyDataSettings, overrides: list[str], features_d
                     f"data.offline_features_dir={features_dir}",
                     f"hydra.run.dir={features_dir.parent / '.hydra_cache_features'}"],
                    features_dir.parent / "cache_features.log", "caching the target features",
-                   error=AblationError)
+                   error=StudyError)
         return {"dir": str(features_dir), "overrides": overrides,
                 "bytes": sum(p.stat().st_size for p in features_dir.rglob("*") if p.is_file())}
 

@@ -18,15 +18,13 @@ import matplotlib
 matplotlib.use("Agg")  # headless
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .records import StudyRecord  # noqa: E402
+from .report import fmt as _f  # noqa: E402
+from .report import table, write_report  # noqa: E402
+
 # The study's aim: DSpine's held-out simulated tau and its ratio to the DFlash baseline.
 AIM_TAU = 1.6
 AIM_RATIO = 1.25
-
-
-def _f(value: Any, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}f}"
 
 
 def _hours(seconds: float | None) -> str:
@@ -54,23 +52,23 @@ def _outside(paired: dict[str, Any]) -> str:
     return "yes" if abs(paired["diff"]) > se else "no"
 
 
-def aim_lines(records: list[dict[str, Any]]) -> list[str]:
+def aim_lines(records: list[StudyRecord]) -> list[str]:
     """Mechanical reading of the aim (tau >= 1.6 and >= 1.25 x DFlash) and of each part."""
-    by = {r["variant"]: r for r in records}
+    by = {r.variant: r for r in records}
     lines = []
     if "dspine" in by:
-        tau = by["dspine"]["simulated"]["tau"]
+        tau = by["dspine"].simulated["tau"]
         lines.append(f"- DSpine held-out simulated tau {_f(tau)} "
                      f"({'meets' if tau >= AIM_TAU else 'misses'} the aim of {AIM_TAU}).")
         if "dflash" in by:
-            ratio = tau / by["dflash"]["simulated"]["tau"]
+            ratio = tau / by["dflash"].simulated["tau"]
             lines.append(f"- DSpine / DFlash = {_f(ratio)} "
                          f"({'meets' if ratio >= AIM_RATIO else 'misses'} the aim of "
                          f"{AIM_RATIO}x).")
     for r in records:
-        paired = r.get("paired_vs_reference")
+        paired = r.paired_vs_reference
         if paired and "diff" in paired:
-            lines.append(f"- {r['variant']} - dspine: {paired['diff']:+.4f} ± "
+            lines.append(f"- {r.variant} - dspine: {paired['diff']:+.4f} ± "
                          f"{_f(paired['se'], 4)} ({_f(paired['se_row'], 4)} by row) on "
                          f"{paired['blocks']} shared blocks; outside one clustered SE: "
                          f"{_outside(paired)}.")
@@ -97,16 +95,51 @@ def target_title(target: str | Path) -> str:
 def step_lines(steps: dict[str, Any]) -> list[str]:
     """The table of `study.py steps`: each variant's step time and its ratio to the
     reference's, all from one interleaved run."""
-    reference = steps["reference"]
-    lines = [f"| variant | s/step (best per batch) | median | x {reference} |",
-             "|---|---|---|---|"]
-    for name, row in steps["variants"].items():
-        lines.append(f"| {name} | {row['step_s']:.2f} | {row['step_s_median']:.2f} | "
-                     f"{row['ratio']:.2f} |")
-    return lines
+    return table(["variant", "s/step (best per batch)", "median", f"x {steps['reference']}"],
+                 [[name, f"{row['step_s']:.2f}", f"{row['step_s_median']:.2f}",
+                   f"{row['ratio']:.2f}"] for name, row in steps["variants"].items()])
 
 
-def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
+def _final_cells(r: StudyRecord) -> list[str]:
+    """A row of the final table: simulated tau, its paired difference, losses, engine."""
+    s = r.simulated
+    paired = r.paired_vs_reference or {}
+    diff = (f"{paired['diff']:+.4f} ± {_f(paired['se'], 4)} ({_f(paired['se_row'], 4)})"
+            if "diff" in paired else "reference" if r.variant == "dspine" else "-")
+    engine = engine_summary(r.engine or [])
+    engine_tau = ", ".join(f"{b} {_f(e['tau'])}" for b, e in engine.items()) or "-"
+    lossless = ("yes" if engine and all(e["lossless"] for e in engine.values())
+                else "-" if not engine or any(e["lossless"] is None for e in engine.values())
+                else "NO")
+    losses = r.final_losses or {}
+    return [r.variant, r.steps, _hours(r.train_wall_s), s["blocks"],
+            f"{_f(s['tau'])} ± {_f(s['tau_se'], 4)} ({_f(s['tau_se_row'], 4)})", diff,
+            _outside(paired) if paired else "-", _f(losses.get("candidate_coverage")),
+            _f(losses.get("loss")), engine_tau, lossless]
+
+
+def _curve_cells(r: StudyRecord, p: dict[str, Any]) -> list[str]:
+    """A row of the learning curves: one periodic evaluation of one variant."""
+    train = p.get("train") or {}
+    pc = (r.paired_curve or {}).get(str(p["step"]))
+    diff = f"{pc['diff']:+.4f} ± {_f(pc['se_row'], 4)}" if pc else "-"
+    return [r.variant, p["step"],
+            f"{_f(p.get('tau'))} ± {_f(p.get('tau_se'), 4)} ({_f(p.get('tau_se_row'), 4)})",
+            diff, _f(train.get("candidate_coverage")), _f(train.get("loss"))]
+
+
+def _provenance_cells(name: str, r: StudyRecord | None, plan: dict[str, Any]) -> list[str]:
+    """A row of the wall-time table; a variant not finished yet has only its plan."""
+    session = (r.session if r else None) or {}
+    rate = session.get("s_per_step_plan") or (plan.get(name) or {}).get("s_per_step")
+    commit = (session.get("commit") or "-")[:10]
+    return [name, (r.precision if r else None) or "-", _f(rate, 2),
+            _hours(r.train_wall_s if r else None), r.sessions if r else "-",
+            _hours(r.engine_wall_s if r else None), f"`{commit}`",
+            session.get("date") or "not yet"]
+
+
+def markdown(records: list[StudyRecord], meta: dict[str, Any],
              findings: str | None = None, steps: dict[str, Any] | None = None) -> str:
     """The report as markdown: setting, final table, per-position acceptance, curves, and
     `findings` (the hand-written reading, kept beside the archive) after the mechanical one;
@@ -141,53 +174,27 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
     lines += ["- tau ± SE over blocks (SE clustered by held-out row in brackets); paired "
               "differences are per block on the same blocks as the reference `dspine`.", ""]
 
-    lines += ["## Final results", "",
-              "| variant | steps | train wall | blocks | simulated tau | vs dspine (paired) "
-              "| outside 1 SE | coverage | loss | engine tau (greedy) | lossless |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        s = r["simulated"]
-        paired = r.get("paired_vs_reference") or {}
-        diff = (f"{paired['diff']:+.4f} ± {_f(paired['se'], 4)} ({_f(paired['se_row'], 4)})"
-                if "diff" in paired else "reference" if r["variant"] == "dspine" else "-")
-        engine = engine_summary(r.get("engine") or [])
-        engine_tau = ", ".join(f"{b} {_f(e['tau'])}" for b, e in engine.items()) or "-"
-        lossless = ("yes" if engine and all(e["lossless"] for e in engine.values())
-                    else "-" if not engine or any(e["lossless"] is None for e in engine.values())
-                    else "NO")
-        losses = r.get("final_losses") or {}
-        lines.append(
-            f"| {r['variant']} | {r['steps']} | {_hours(r.get('train_wall_s'))} | {s['blocks']} "
-            f"| {_f(s['tau'])} ± {_f(s['tau_se'], 4)} ({_f(s['tau_se_row'], 4)}) | {diff} "
-            f"| {_outside(paired) if paired else '-'} | {_f(losses.get('candidate_coverage'))} "
-            f"| {_f(losses.get('loss'))} | {engine_tau} | {lossless} |")
+    lines += ["## Final results", ""]
+    lines += table(["variant", "steps", "train wall", "blocks", "simulated tau",
+                    "vs dspine (paired)", "outside 1 SE", "coverage", "loss",
+                    "engine tau (greedy)", "lossless"], [_final_cells(r) for r in records])
     lines += ["", "## Acceptance per position (held-out, share of blocks accepting the first k "
               "drafts)", ""]
-    width = max((len(r["simulated"]["acceptance_by_position"]) for r in records), default=0)
-    header = ["| variant | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |",
-              "|---|" + "---|" * width]
+    width = max((len(r.simulated["acceptance_by_position"]) for r in records), default=0)
+    head = ["variant", *(f"k={k}" for k in range(1, width + 1))]
     for caption, per_position in (
             (None, lambda rates: rates),
             ("Conditional acceptance: the share of blocks accepting draft k among those that "
              "accepted the first k-1 (where the chain breaks).", conditional_acceptance)):
-        lines += ([caption, ""] if caption else []) + header
-        for r in records:
-            rates = per_position(r["simulated"]["acceptance_by_position"])
-            lines.append(f"| {r['variant']} | " + " | ".join(_f(x) for x in rates) + " |")
+        lines += ([caption, ""] if caption else [])
+        lines += table(head, [[r.variant, *map(_f, per_position(
+            r.simulated["acceptance_by_position"]))] for r in records])
         lines.append("")
     lines += ["## Learning curves (periodic evaluation on a fixed uniform draw of "
-              "held-out blocks)", "",
-              "| variant | step | tau ± SE (by row) | vs dspine (paired) | coverage (train) "
-              "| loss (train) |", "|---|---|---|---|---|---|"]
-    for r in records:
-        paired_curve = r.get("paired_curve") or {}
-        for p in r.get("curve", []):
-            train = p.get("train") or {}
-            pc = paired_curve.get(str(p["step"]))
-            diff = f"{pc['diff']:+.4f} ± {_f(pc['se_row'], 4)}" if pc else "-"
-            lines.append(f"| {r['variant']} | {p['step']} | {_f(p.get('tau'))} ± "
-                         f"{_f(p.get('tau_se'), 4)} ({_f(p.get('tau_se_row'), 4)}) | {diff} "
-                         f"| {_f(train.get('candidate_coverage'))} | {_f(train.get('loss'))} |")
+              "held-out blocks)", ""]
+    lines += table(["variant", "step", "tau ± SE (by row)", "vs dspine (paired)",
+                    "coverage (train)", "loss (train)"],
+                   [_curve_cells(r, p) for r in records for p in r.curve])
     lines += ["", "## What the numbers say", "", *aim_lines(records), "",
               "Each paired difference is the mean over the same held-out blocks of (variant's "
               "accepted drafts - dspine's); a part contributes measurably only where that "
@@ -196,22 +203,14 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
         lines += ["## Findings (hand-written from the figures above)", "",
                   findings.strip(), ""]
     plan = meta.get("plan") or {}
-    by = {r["variant"]: r for r in records}
+    by = {r.variant: r for r in records}
     # every row of the study: finished, planned in this piece, or still to come
     names = list(dict.fromkeys([*by, *plan, *(meta.get("study_variants") or [])]))
     if names:
-        lines += ["## Wall time and provenance of each variant", "",
-                  "| variant | precision | s/step (plan) | train wall | sessions | engine eval "
-                  "| commit | piece started |", "|---|---|---|---|---|---|---|---|"]
-        for name in names:
-            r = by.get(name, {})
-            session = r.get("session") or {}
-            rate = session.get("s_per_step_plan") or (plan.get(name) or {}).get("s_per_step")
-            commit = (session.get("commit") or "-")[:10]
-            lines.append(f"| {name} | {r.get('precision', '-')} | {_f(rate, 2)} | "
-                         f"{_hours(r.get('train_wall_s'))} | {r.get('sessions', '-')} | "
-                         f"{_hours(r.get('engine_wall_s'))} | `{commit}` | "
-                         f"{session.get('date') or 'not yet'} |")
+        lines += ["## Wall time and provenance of each variant", ""]
+        lines += table(["variant", "precision", "s/step (plan)", "train wall", "sessions",
+                        "engine eval", "commit", "piece started"],
+                       [_provenance_cells(name, by.get(name), plan) for name in names])
         lines += ["", "The train wall time is measured in the session that trained the variant; "
                   "sessions do not all run on equally fast machines, so it compares variants "
                   "only roughly. " + ("The step times below, measured side by side, are the "
@@ -228,20 +227,20 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any],
     return "\n".join(lines)
 
 
-def plot(records: list[dict[str, Any]], path: Path) -> None:
+def plot(records: list[StudyRecord], path: Path) -> None:
     """Learning curves (tau vs step, error bars = clustered SE) and final per-position
     acceptance, one line per variant."""
     fig, (curves, positions) = plt.subplots(1, 2, figsize=(13, 4.8))
     for r in records:
-        points = r.get("curve") or []
+        points = r.curve or []
         if points:
             steps = [p["step"] for p in points]
             taus = [p.get("tau") for p in points]
             errors = [p.get("tau_se_row") or p.get("tau_se") or 0.0 for p in points]
             errors = [0.0 if e is None or math.isnan(e) else e for e in errors]
-            curves.errorbar(steps, taus, yerr=errors, marker="o", capsize=3, label=r["variant"])
-        rates = r["simulated"]["acceptance_by_position"]
-        positions.plot(range(1, len(rates) + 1), rates, marker="o", label=r["variant"])
+            curves.errorbar(steps, taus, yerr=errors, marker="o", capsize=3, label=r.variant)
+        rates = r.simulated["acceptance_by_position"]
+        positions.plot(range(1, len(rates) + 1), rates, marker="o", label=r.variant)
     curves.set(xlabel="optimizer step", ylabel="simulated tau (held-out)",
                title="learning curves (± SE clustered by row)")
     positions.set(xlabel="drafted position k", ylabel="share of blocks accepting k",
@@ -254,22 +253,16 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_study_report(records: list[dict[str, Any]], meta: dict[str, Any],
+def write_study_report(records: list[StudyRecord], meta: dict[str, Any],
                        stem: Path, findings: Path | None = None,
                        step_times: Path | None = None) -> list[Path]:
     """Write `<stem>.md`, `<stem>.json` and `<stem>.png`; return their paths. `findings`: a
     markdown file of hand-written findings, copied into the report when it exists (the report
     is rewritten after every piece of the study, so the reading lives in its own file).
     `step_times`: the JSON of `study.py steps`, shown when it exists."""
-    from dspine_train.checkpoint_io import write_text_atomic
-
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    md, js, png = (stem.with_name(stem.name + suffix) for suffix in (".md", ".json", ".png"))
     text = findings.read_text() if findings is not None and findings.is_file() else None
     steps = (json.loads(step_times.read_text())
              if step_times is not None and step_times.is_file() else None)
-    write_text_atomic(md, markdown(records, meta, text, steps) + "\n")
-    write_text_atomic(js, json.dumps({"meta": meta, "variants": records}, indent=2,
-                                     default=str) + "\n")
-    plot(records, png)
-    return [md, js, png]
+    return write_report(stem, markdown(records, meta, text, steps) + "\n",
+                        {"meta": meta, "variants": [r.to_json() for r in records]},
+                        lambda path: plot(records, path))

@@ -23,11 +23,11 @@ import torch
 
 from dspine_train.training.config import compose_train_config
 
-from .study import StudyError, StudySettings
-from .study_variants import REFERENCE, StudyVariant
+from .runner import StudyError, StudySettings
+from .variants import REFERENCE, Variant
 
 
-def _variant_step(settings: StudySettings, variant: StudyVariant, work_dir: Path,
+def _variant_step(settings: StudySettings, variant: Variant, work_dir: Path,
                   batches: int, embed: torch.Tensor, head: torch.Tensor) -> tuple[Any, list[Any]]:
     """The variant's step (`PathStep` on the trainer's path) and its first `batches` batches;
     `embed`, `head`: the target's, read once for every variant. Token tables are built once
@@ -57,7 +57,7 @@ def _variant_step(settings: StudySettings, variant: StudyVariant, work_dir: Path
     return step, items
 
 
-def time_steps(settings: StudySettings, variants: Sequence[StudyVariant], work_dir: Path,
+def time_steps(settings: StudySettings, variants: Sequence[Variant], work_dir: Path,
                batches: int = 3, iters: int = 6,
                progress: Any = print) -> dict[str, Any]:
     """Step times of `variants`, interleaved (see the module docstring). Each variant's time

@@ -19,11 +19,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dspine_train.engine.errors import GenerationInputError
+
+if TYPE_CHECKING:
+    from dspine_train.engine import Engine
 
 
 @dataclass
@@ -48,7 +51,7 @@ class AgreementReport:
 
 
 def teacher_forced_agreement(
-    engine: Any, tokens: Sequence[int] | torch.Tensor, prefix_len: int, g: int
+    engine: Engine, tokens: Sequence[int] | torch.Tensor, prefix_len: int, g: int
 ) -> AgreementReport:
     """Run `tokens` through the engine's target after a prefill of the first `prefix_len`:
     once as verifies of `g + 1` rows, once one token per step; compare the argmaxes."""
@@ -78,7 +81,7 @@ def teacher_forced_agreement(
     )
 
 
-def _teacher_forced_logits(engine: Any, ids: list[int], prefix_len: int, width: int) -> torch.Tensor:
+def _teacher_forced_logits(engine: Engine, ids: list[int], prefix_len: int, width: int) -> torch.Tensor:
     """Float32 logits `(N, V)` of positions prefix_len .. len(ids) - 1, `width` tokens a step."""
     device = engine.device
     sequence = torch.tensor([ids], device=device)  # (1, S)

@@ -10,20 +10,22 @@ captured them: capture is never inside a timing. The engine's caches are left re
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dspine_train.engine.errors import GenerationInputError
+from dspine_train.engine.stats import median_ms
 from dspine_train.modeling.sdpa_attention import fused_sdpa_only, record_sdpa_backends
+
+if TYPE_CHECKING:
+    from dspine_train.engine import Engine
 
 
 def time_engine_steps(
-    engine: Any,
+    engine: Engine,
     batch: int = 1,
     g: int | None = None,
     iters: int = 50,
@@ -88,7 +90,7 @@ def time_engine_steps(
 
 
 def sdpa_backends(
-    engine: Any, batch: int = 2, g: int | None = None, context_len: int = 16, strict: bool = True
+    engine: Engine, batch: int = 2, g: int | None = None, context_len: int = 16, strict: bool = True
 ) -> dict[str, str]:
     """The SDPA backend each engine attention call selects: `{"prefill", "verify"[, "draft"]}`
     -> backend name ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", ...; several joined by ",").
@@ -116,7 +118,7 @@ def sdpa_backends(
     return {label: ",".join(names) for label, names in found.items()}
 
 
-def _fill_context(engine: Any, batch: int, context_len: int) -> None:
+def _fill_context(engine: Engine, batch: int, context_len: int) -> None:
     """Prefill `batch` rows of `context_len` tokens (target cache and draft context)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, engine.target.config.vocab_size, (batch, context_len), generator=gen)
@@ -132,7 +134,7 @@ def _fill_context(engine: Any, batch: int, context_len: int) -> None:
 
 
 def _median_ms(
-    engine: Any,
+    engine: Engine,
     call: Callable[[], object],
     iters: int,
     prepare: Callable[[], None],
@@ -142,20 +144,4 @@ def _median_ms(
     call()  # one untimed run (caches, allocator)
     if after is not None:
         after()
-    cuda = engine.device.type == "cuda"
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start_s = time.perf_counter()
-            call()
-            times.append(1e3 * (time.perf_counter() - start_s))
-        if after is not None:
-            after()
-    return statistics.median(times)
+    return median_ms(call, engine.device, iters, after)

@@ -28,6 +28,9 @@ class OracleDraftConfig:
     vocab_size: int
     hidden_size: int
     target_num_layers: int | None = None
+    # The engine sizes a token tree by the draft's candidates per slot and reads this even for
+    # a chain; the oracle proposes one chain, so one candidate.
+    candidate_k: int = 1
 
 
 @dataclass

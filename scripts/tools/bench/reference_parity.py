@@ -15,12 +15,17 @@ a test/script dependency only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from dspine_train.modeling import DSpineDraftModel
+
+if TYPE_CHECKING:
+    import transformers
+
+    from dspine_train.engine import Engine
 
 
 def our_block_logits(draft: DSpineDraftModel, feats: torch.Tensor, anchor: int) -> torch.Tensor:
@@ -34,7 +39,8 @@ def our_block_logits(draft: DSpineDraftModel, feats: torch.Tensor, anchor: int) 
 
 
 @torch.no_grad()
-def reference_block_logits(model: Any, target: Any, feats: torch.Tensor, anchor: int) -> torch.Tensor:
+def reference_block_logits(
+    model: Any, target: transformers.PreTrainedModel, feats: torch.Tensor, anchor: int) -> torch.Tensor:
     """The reference `DFlashDraftModel`'s slot logits for the same block, called as its
     `spec_generate` calls it (target embedding of [anchor, mask...], target head)."""
     size = model.block_size
@@ -48,7 +54,7 @@ def reference_block_logits(model: Any, target: Any, feats: torch.Tensor, anchor:
     return model.compute_logits(hidden[:, 1:], target.lm_head)[0]
 
 
-def record_engine_rounds(engine: Any) -> list[tuple[int, int, list[int]]]:
+def record_engine_rounds(engine: Engine) -> list[tuple[int, int, list[int]]]:
     """Start recording (block start, block length, drafted tokens) of every draft call of
     `engine` (batch of one, greedy: the engine calls `draft.propose`); returns the live list."""
     rounds: list[tuple[int, int, list[int]]] = []

@@ -14,12 +14,12 @@ import copy
 import json
 import platform
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dspine_train.engine.stats import StepTimer
 from dspine_train.modeling import DSpineDraftModel
 from dspine_train.objective import batch_generator, dspine_loss, sample_anchors
 from dspine_train.training.config import TrainConfig, compose_train_config
@@ -123,7 +123,7 @@ class PathStep:
         return float(loss.detach())
 
 
-def _objective_change(draft, items, k: int) -> dict[str, float]:  # noqa: ANN001
+def _objective_change(draft: DSpineDraftModel, items: list[tuple], k: int) -> dict[str, float]:
     """|objective(top-k target) - objective(exact target)| over the batches, same weights."""
     diffs, remainders = [], []
     with torch.no_grad():
@@ -174,13 +174,13 @@ def run_recipe_bench(args: argparse.Namespace) -> None:
     change = _objective_change(draft, items, int(items[0][1].topk_ids.shape[-1]))
     for step in steps.values():  # warm-up: one step of each path
         step(items[0])
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    timer = StepTimer(torch.device("cpu"))  # the benchmark runs on CPU
     for i in range(args.iters):
         item = items[i % len(items)]
         for name, step in steps.items():
-            start = time.perf_counter()
-            step(item)
-            times[name].append(time.perf_counter() - start)
+            with timer.section(name):
+                step(item)
+    times = timer.samples()
     profiles = {name: StepProfile() for name in steps}
     for item in items:  # one profiled step per path and batch, interleaved like the timing
         for name, step in steps.items():

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -18,6 +17,10 @@ from scripts.tools.gpu_check.models import (
     margin_target,
     tiny_qwen3_config,
 )
+
+if TYPE_CHECKING:
+    from dspine_train.modeling import DSpineDraftModel
+    from scripts.tools.bench.oracle_draft import OracleDraft
 
 GIB = 1024**3
 
@@ -121,31 +124,6 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def median_ms(fn: Callable[[], Any], iters: int, device: torch.device, warmup: int = 2) -> float:
-    """Median time of `fn()` in ms: CUDA events per call on CUDA, perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    if device.type == "cuda":
-        pairs = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            pairs.append((start, end))
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in pairs]
-    else:
-        for _ in range(iters):
-            start_s = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start_s))
-    times.sort()
-    return times[len(times) // 2]
-
-
 # ------------------------------------------------------------------ engine helpers
 def engine_target_from_hf(hf: transformers.PreTrainedModel) -> TargetModel:
     """The engine's compact target sharing `hf`'s weight tensors (no copy, no file)."""
@@ -156,7 +134,9 @@ def engine_target_from_hf(hf: transformers.PreTrainedModel) -> TargetModel:
     return target.eval().requires_grad_(False)
 
 
-def make_engine(target: TargetModel, draft: Any, **kwargs: Any) -> Engine:
+def make_engine(
+    target: TargetModel, draft: DSpineDraftModel | OracleDraft | None, **kwargs: Any
+) -> Engine:
     """`Engine(...)` with strict graph capture; options this engine version lacks are dropped
     (`strict_graphs`, `compile`), so the check runs against the engine before and after them."""
     accepted = inspect.signature(Engine.__init__).parameters

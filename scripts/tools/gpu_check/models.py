@@ -12,11 +12,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 
 from dspine_train.training.tiny_assets import tiny_target_config
+
+if TYPE_CHECKING:
+    from dspine_train.modeling import DSpineDraftModel
 
 
 def tiny_qwen3_config(**overrides) -> transformers.Qwen3Config:
@@ -104,7 +108,13 @@ def hf_greedy(model: transformers.PreTrainedModel, ids: list[int], max_new_token
     return seq[0, len(ids) :].tolist()
 
 
-def train_draft_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr: float = 3e-3):  # noqa: ANN001, ANN201
+def train_draft_briefly(
+    draft: DSpineDraftModel,
+    hf_model: transformers.PreTrainedModel,
+    sequences: torch.Tensor,
+    steps: int,
+    lr: float = 3e-3,
+) -> DSpineDraftModel:
     """`steps` AdamW steps of the DSpine objective on target sequences `(B, S)` (CPU, fp32)."""
     from dspine_train.objective import dspine_loss, sample_anchors
     from dspine_train.token_table import build_token_table

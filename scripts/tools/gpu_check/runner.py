@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dspine_train.markdown_table import markdown_table
 from scripts.tools.gpu_check.context import REPO, Check, Figures, Skip
 from scripts.tools.gpu_check.decoding import section_exactness, section_real_shapes
 from scripts.tools.gpu_check.environment import section_environment, section_gpu_tests
@@ -59,10 +60,10 @@ def markdown(report: dict) -> str:
     as dotted keys, lists of records as tables)."""
     lines = [f"# GPU check ({report['device']}{', tiny' if report['tiny'] else ''})", "",
              f"{report['started']}, {report['total_s']:.0f} s in all. "
-             f"Command: `{report['command']}`", "",
-             "| section | status | seconds |", "| --- | --- | --- |"]
-    for name, sec in report["sections"].items():
-        lines.append(f"| {name} | {sec['status']} | {sec['seconds']} |")
+             f"Command: `{report['command']}`", ""]
+    lines += markdown_table(["section", "status", "seconds"],
+                            [(name, sec["status"], sec["seconds"])
+                             for name, sec in report["sections"].items()], align="llr")
     for name, sec in report["sections"].items():
         lines += ["", f"## {name}: {sec['status']}", ""]
         body = {k: v for k, v in sec.items() if k not in ("status", "seconds")}
@@ -78,12 +79,8 @@ def _markdown_figures(prefix: str, value: Any) -> list[str]:
         return out
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         columns = list(dict.fromkeys(k for row in value for k in row))
-        table = [f"- **{prefix}**:", "", "  | " + " | ".join(columns) + " |",
-                 "  |" + " --- |" * len(columns)]
-        for row in value:
-            cells = [_short(row.get(c, "")) for c in columns]
-            table.append("  | " + " | ".join(cells) + " |")
-        return table + [""]
+        cells = [[_short(row.get(c, "")) for c in columns] for row in value]
+        return [f"- **{prefix}**:", "", *markdown_table(columns, cells, indent="  "), ""]
     return [f"- **{prefix}**: {_short(value)}"]
 
 

@@ -9,11 +9,8 @@ from typing import Any
 import torch
 
 from dspine_train.engine import Engine
-from scripts.tools.gpu_check.context import (
-    Check,
-    Figures,
-    median_ms,
-)
+from scripts.tools.bench.engine_profiling import time_engine_steps
+from scripts.tools.gpu_check.context import Check, Figures
 
 
 def section_timings(ck: Check, fig: Figures) -> None:
@@ -43,11 +40,7 @@ def section_timings(ck: Check, fig: Figures) -> None:
 
 def step_times(ck: Check, engine: Engine) -> tuple[dict[str, float], str]:
     """Median ms of a plain step, verify at g + 1 in {4, 8, 16}, a draft step and a commit (batch
-    1), by the engine's own `profiling.time_engine_steps` where this version has it."""
-    try:
-        from scripts.tools.bench.engine_profiling import time_engine_steps
-    except ImportError:
-        return local_step_times(ck, engine), "local (no engine.profiling in this engine version)"
+    1), by `time_engine_steps` (the engine benchmark's own step timer)."""
     ms: dict[str, float] = {}
     for g in (3, 7, 15):
         steps = time_engine_steps(engine, batch=1, g=g, iters=ck.iters)
@@ -56,33 +49,6 @@ def step_times(ck: Check, engine: Engine) -> tuple[dict[str, float], str]:
             ms.update(plain_step=round(steps["plain_ms"], 4), draft_step=round(steps["draft_ms"], 4),
                       commit=round(steps["commit_ms"], 4))
     return ms, "scripts.tools.bench.engine_profiling.time_engine_steps"
-
-
-def local_step_times(ck: Check, engine: Engine) -> dict[str, float]:
-    """Median ms of each step of a round, at batch 1 after a 64-token prompt."""
-    prompt = [list(range(5, 69))]
-    engine.generate(prompt, max_new_tokens=1, num_draft_tokens=15)  # prefill + context committed
-    device = ck.device
-    anchors = torch.tensor([7], device=device)
-    lengths = engine.target.cache.lengths[:1].clone()
-    ms: dict[str, float] = {}
-    ms["plain_step"] = median_ms(lambda: engine._target_step(anchors[:, None]), ck.iters, device)
-    features = None
-    for width in (4, 8, 16):
-        block = torch.full((1, width), 7, device=device)
-        ms[f"verify_{width}"] = median_ms(lambda b=block: engine._target_step(b), ck.iters, device)
-    _, features, _ = engine._target_step(torch.full((1, 16), 7, device=device))
-    features = features.clone()
-    ms["draft_step"] = median_ms(lambda: engine._draft_step(anchors), ck.iters, device)
-    counts = torch.tensor([4], device=device)
-
-    def commit() -> None:  # what a round commits, then back to the same lengths
-        engine.target.cache.crop(lengths)
-        engine.draft.append_context(engine.draft_cache, features, counts)
-        engine.draft.crop_context(engine.draft_cache, lengths)
-
-    ms["commit"] = median_ms(commit, ck.iters, device)
-    return {k: round(v, 4) for k, v in ms.items()}
 
 
 def round_counters(ck: Check, engine: Engine) -> dict[str, Any]:

@@ -1,0 +1,81 @@
+"""The chain round's draft: one block of proposals per anchor, greedy or sampled.
+
+`ChainDrafter` owns the two draft steps of a chain round (greedy, and sampling with the
+exponential race's Exp(1) draws passed in), built with the engine's step options (compiled and
+CUDA-graph-captured on CUDA, like every engine step). The token tree's draft lives in
+`engine.tree_verify`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dspine_train.engine.cuda_graphs import StepCache
+from dspine_train.engine.sampling import Sampler
+from dspine_train.modeling.exponential_race import exponential_noise
+
+
+class ChainDrafter:
+    """The greedy and the sampling draft step of a chain round. `draft_cache()` returns the
+    engine's current draft context cache."""
+
+    def __init__(
+        self,
+        draft: torch.nn.Module | None,
+        draft_cache: Callable[[], Any],
+        step_options: dict[str, Any],
+    ) -> None:
+        self.draft = draft
+        self.draft_cache = draft_cache
+        self.greedy_steps = StepCache(self.greedy, "draft", **step_options)
+        self.sample_steps = StepCache(self.sample, "sampling draft", **step_options)
+
+    def step_inputs(
+        self, anchors: torch.Tensor, sampler: Sampler
+    ) -> tuple[StepCache, tuple[torch.Tensor, ...]]:
+        """The draft step of this call (greedy or sampling) and its inputs for `anchors`.
+
+        The sampling draft's randomness (the exponential race's Exp(1) draws) is drawn here from
+        the call's generator, so the step itself is a pure function of tensors."""
+        if sampler.temperature <= 0.0:
+            return self.greedy_steps, (anchors,)
+        noise = self.noise(anchors.shape[0], sampler.generator, anchors.device)
+        return self.sample_steps, (anchors, noise, sampler.scale)
+
+    @staticmethod
+    def propose(
+        step: StepCache, inputs: tuple[torch.Tensor, ...], num_draft_tokens: int, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The first g = `num_draft_tokens` of the draft's proposals for each anchor, and (when
+        sampling) their q over the slots' candidates and the candidates, `(B, g, K)` each."""
+        out = step(*inputs, kv_len=kv_len)
+        tokens = out[0][:, :num_draft_tokens]
+        if len(out) == 1:  # greedy
+            return tokens, None, None
+        return tokens, out[1][:, :num_draft_tokens], out[2][:, :num_draft_tokens]
+
+    def noise(
+        self, batch: int, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor:
+        """Exp(1) draws `(B, Bk-1, K)` for one sampling draft block (see `sample`)."""
+        shape = (batch, int(self.draft.config.block_size) - 1, self.draft.num_candidates)
+        return exponential_noise(shape, generator, device)
+
+    # ------------------------------------------------------------------ the steps
+    def greedy(self, anchors: torch.Tensor, kv_len: int) -> tuple[torch.Tensor]:
+        """Greedy proposals: tokens `(B, Bk-1)`."""
+        return (self.draft.propose(self.draft_cache(), anchors, 0.0, None, kv_len=kv_len).tokens,)
+
+    def sample(
+        self, anchors: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sampled proposals: tokens `(B, Bk-1)`, q and candidates `(B, Bk-1, K)`, given the
+        race's Exp(1) `noise (B, Bk-1, K)` and the 0-dim `temperature` tensor (one capture
+        serves every temperature)."""
+        proposal = self.draft.propose(
+            self.draft_cache(), anchors, temperature, None, kv_len=kv_len, noise=noise
+        )
+        return proposal.tokens, proposal.q, proposal.candidates
