@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> None:
     try:
         config = to_train_config(cfg)
         if config.plan_only:
-            from dspine_train.training.planning import memory_plan_for
+            from dspine_train.training.memory_plan.for_recipe import memory_plan_for
 
             print(memory_plan_for(config).table())
             return

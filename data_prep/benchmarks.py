@@ -13,8 +13,8 @@
 The held-out split is the data pipeline's own (a hash of the row id salted with the recipe's
 seed and ``heldout``), read from the same recipe files the training data is made with, so a
 draft trained on those recipes has never seen a benchmark prompt. The harness
-(`dspine_train.eval_harness`) takes the loaded `Benchmark`s; neither module imports the other
-(the record lives in `dspine_train.benchmark_prompts`).
+(`dspine_train.evaluation.harness`) takes the loaded `Benchmark`s; neither module imports the
+other (the record lives in `dspine_train.benchmark_prompts`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The benchmark record: prompts the data pipeline loads and the evaluation harness measures.
 
 `data_prep.benchmarks.load_benchmark` builds a `Benchmark` (the builtin held-out sets, local
-JSONL files) and `dspine_train.eval_harness.evaluate` measures one; both import it from here,
+JSONL files) and `dspine_train.evaluation.harness.evaluate` measures one; both import it from here,
 so neither imports the other.
 """
 

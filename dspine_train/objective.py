@@ -68,6 +68,12 @@ def sample_anchors(
     return anchors, anchor_mask
 
 
+def batch_generator(seed: int, index: int) -> torch.Generator:
+    """The RNG of global batch `index` (its anchor and replacement draws): the same draws on any
+    world size and after any resume."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
 def replacement_probability(step: int, total_steps: int, start: float = 0.5,
                             hold: float = 1 / 6, end: float = 1 / 3) -> float:
     """Share of blocks whose first layers hear the true predecessor (METHOD 2.2 curriculum).

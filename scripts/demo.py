@@ -293,7 +293,7 @@ def stage_token_table(demo: Demo) -> dict[str, Any]:
     DSpineConfig's default capped at the target's width when the recipe leaves it unset, as a
     preset such as `specforge_published` does)."""
     from dspine_train.token_table import TokenTableConfig, build_from_config
-    from dspine_train.training.planning import plan_draft_config
+    from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 
     transfer_dim = plan_draft_config(train_config(demo)).transfer_dim
     table = build_from_config(TokenTableConfig(target=str(demo.target),
@@ -352,7 +352,7 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
     import torch
 
     from data_prep.benchmarks import load_benchmark
-    from dspine_train.eval_harness import (
+    from dspine_train.evaluation.harness import (
         build_engine,
         evaluate,
         plot_results,
@@ -406,11 +406,11 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
 
 
 def run_parity_check(demo: Demo, draft: Path) -> dict[str, Any]:
-    """The parity check on the eval split (`dspine_train.parity`): writes eval/parity.{json,md}
+    """The parity check on the eval split (`dspine_train.evaluation.parity`): writes eval/parity.{json,md}
     and returns the figures the final report prints."""
     import torch
 
-    from dspine_train.parity import parity_from_dataset
+    from dspine_train.evaluation.parity import parity_from_dataset
 
     report = parity_from_dataset(demo.target, draft, demo.path("data", "tokenized"),
                                  split="eval", limit=demo.args.parity_rows,

@@ -15,7 +15,7 @@ prompt's speculative output is compared with plain decoding (lossless check); th
 Parity mode (``--parity --data DIR``): on the rows of a tokenised dataset (``--split``, the
 trainer's held-out ``eval`` split by default) the engine decodes each prompt at T=0 and the
 trainer's simulated evaluation runs on the same teacher-forced rows at the engine's anchors
-(`dspine_train.parity`). Prints per-position acceptance of both with SEs, the paired
+(`dspine_train.evaluation.parity`). Prints per-position acceptance of both with SEs, the paired
 difference, the trainer's every-anchor figure and the engine's walk replayed on it, and
 warnings when they differ by more than 2 SE; writes ``parity.json`` and ``parity.md``.
 
@@ -38,7 +38,7 @@ from dspine_train.engine.errors import (
     GenerationInputError,
     IncompatibleDraftError,
 )
-from dspine_train.eval_harness import (
+from dspine_train.evaluation.harness import (
     RESULTS_FORMAT,
     BenchResult,
     evaluate,
@@ -128,12 +128,12 @@ def argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def run_parity_mode(args: argparse.Namespace) -> int:
-    """`--parity`: the check of `dspine_train.parity` on `--data`; writes parity.json/.md."""
+    """`--parity`: the check of `dspine_train.evaluation.parity` on `--data`; writes parity.json/.md."""
     import json
 
     import torch
 
-    from dspine_train.parity import parity_from_dataset
+    from dspine_train.evaluation.parity import parity_from_dataset
     from dspine_train.training.errors import TrainingError
 
     if args.data is None or len(args.draft) != 1:

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from dspine_train.training.block_stats import (
+from dspine_train.evaluation.block_metrics import (
     BlockResults,
     clustered_se,
     mean_se,
     paired_difference,
 )
-from dspine_train.training.evaluation import every_block_plan, simulated_block_accepts
+from dspine_train.evaluation.held_out import every_block_plan, simulated_block_accepts
 
 MASKS = [
     [0, 0, 1, 1, 1, 1, 0],        # anchors 2, 3, 4

@@ -21,7 +21,7 @@ from data_prep.loss_mask import end_of_turn_token, tokenize_conversation
 from dspine_train.chat_template import chat_template_record
 from dspine_train.engine import Engine
 from dspine_train.engine.prompts import encode_prompts
-from dspine_train.eval_harness import encode_messages
+from dspine_train.evaluation.harness import encode_messages
 from dspine_train.training.tiny_assets import CHAT_TEMPLATE as TINY_TEMPLATE
 
 WORDS = ["hi there", "hello friend", "add two numbers", "def add ( a , b ) : return a + b",

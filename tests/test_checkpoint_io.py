@@ -307,7 +307,7 @@ class _FakeAccelerator:
 
 def test_export_replaces_an_old_export_with_no_moment_without_one(tmp_path, monkeypatch):
     """Old code: `rmtree(out_dir)` then rename -- a window with no export at all."""
-    from dspine_train.training.export import INFO_FILE, export_draft
+    from dspine_train.training.run_export import INFO_FILE, export_draft
 
     table = tmp_path / "table.safetensors"
     table.write_bytes(b"table")

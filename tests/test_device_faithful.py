@@ -139,7 +139,7 @@ def test_ngram_mode_and_adaptive_rounds_add_no_host_read(files, dev) -> None:
 def test_the_cli_and_the_evaluation_harness_run_on_the_device(files, dev, capsys) -> None:
     from data_prep.benchmarks import Benchmark
     from dspine_train.engine.cli import main
-    from dspine_train.eval_harness import evaluate
+    from dspine_train.evaluation.harness import evaluate
 
     root, _ = files
     out = root / f"cli_{dev.device.type}.json"

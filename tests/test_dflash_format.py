@@ -34,7 +34,7 @@ from dspine_train.training.config import (
     compose_train_config,
 )
 from dspine_train.training.errors import TrainingError
-from dspine_train.training.planning import plan_draft_config
+from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 from scripts.tools.bench.reference_parity import (
     compare_rounds,
     our_block_logits,

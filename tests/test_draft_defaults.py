@@ -14,7 +14,7 @@ from transformers import Qwen2Config
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.training.config import ModelConfig, TrainConfig, compose_train_config
 from dspine_train.training.inputs import check_inputs
-from dspine_train.training.planning import memory_plan_for, plan_draft_config
+from dspine_train.training.memory_plan.for_recipe import memory_plan_for, plan_draft_config
 from dspine_train.training.tiny_assets import tiny_target_config
 from tests._train_helpers import DEFAULT_TARGET, REPO
 

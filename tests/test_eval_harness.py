@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data_prep.benchmarks import builtin_source, load_benchmark, load_benchmark_prompts
 from data_prep.sources import is_heldout
 from dspine_train.benchmark_prompts import BenchmarkError
-from dspine_train.eval_harness import (
+from dspine_train.evaluation.harness import (
     BenchResult,
     build_engine,
     encode_messages,
@@ -210,7 +210,7 @@ def test_builtin_benchmarks_are_the_recipes_heldout_prompts(name: str, package: 
 def test_the_harness_imports_nothing_from_data_prep_training_or_a_cli() -> None:
     """Like the engine it sits beside, the harness is a library: no data pipeline, no trainer,
     no command-line module comes with it (the caller loads the benchmarks)."""
-    code = ("import sys, dspine_train.eval_harness as h; "
+    code = ("import sys, dspine_train.evaluation.harness as h; "
             "print('\\n'.join(m for m in sys.modules if m == 'data_prep' "
             "or m.startswith(('data_prep.', 'dspine_train.training', 'hydra', 'deepspeed')) "
             "or m.endswith(('.cli', '__main__')) and m.startswith('dspine_train')))")

@@ -17,7 +17,7 @@ from _engine_helpers import build_tiny_target, build_tokenizer, tiny_draft
 from dspine_train.training.config import ModelConfig
 from dspine_train.training.draft_builder import build_draft, draft_config_for
 from dspine_train.training.errors import TrainingError
-from dspine_train.training.export_init import STRUCTURE_FIELDS
+from dspine_train.training.initialisation.from_export import STRUCTURE_FIELDS
 
 VOCAB = 200
 # The export's structure and objective, none of them the schema's defaults.

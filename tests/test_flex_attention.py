@@ -178,7 +178,7 @@ def test_compiled_flex_at_the_8b_recipe_shape_keeps_no_score_matrix():
     keeps for backward are the output plus the plan's attention terms, not a 5.6 GiB score matrix."""
     from transformers import Qwen3Config
 
-    from dspine_train.training.memory_plan import attention_items
+    from dspine_train.training.memory_plan.activations import attention_items
 
     dev = torch.device("cuda")
     heads, kv_heads, dim, seq_len, block, num_blocks = 32, 8, 128, 3072, 16, 512

@@ -3,7 +3,10 @@
 The product (`dspine_train/`, `data_prep/`) imports nothing from its tools (`scripts/`) or the
 tests; the model imports neither the engine nor the trainer (model <- training,
 model <- engine); the inference engine imports no training stack; data preparation imports
-no training module and not the evaluation harness. Every import counts, including the ones
+no training module and no evaluation. Evaluation lives in one package, `dspine_train/evaluation/`:
+its metrics and held-out loop import neither training nor the engine, so the trainer may use
+them and nothing else of the package (the benchmark harness and the parity check run the engine
+and the trainer's pieces: training -> metrics <- harness, parity). Every import counts, including the ones
 inside functions, so a lazy import cannot hide a dependency. What a process really loads is
 checked at run time too (`test_engine_validation.py`: loading a draft and generating pulls in
 no hydra / deepspeed / trainer code).
@@ -39,35 +42,54 @@ def imported_modules(path: Path, root: Path) -> Iterator[tuple[int, str]]:
                 yield node.lineno, f"{module}.{alias.name}"
 
 
+def _under(module: str, names: tuple[str, ...]) -> bool:
+    """Whether `module` is one of `names` or a submodule of one."""
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
 @dataclass(frozen=True)
 class Rule:
-    """Files under `sources` (paths relative to the repository) import no module under any of
-    `forbidden` (a module or its submodules)."""
+    """Files under `sources` (paths relative to the repository: folders or single files) import
+    no module under any of `forbidden` (a module or its submodules), except those under
+    `allowed`."""
 
     sources: tuple[str, ...]
     forbidden: tuple[str, ...]
+    allowed: tuple[str, ...] = ()
 
     def violations(self, root: Path) -> list[str]:
         """`file:line imports module` for every import against the rule."""
         found = []
         for source in self.sources:
-            for path in sorted((root / source).rglob("*.py")):
+            top = root / source
+            if not top.exists():  # a renamed file must not turn its rule into a silent pass
+                raise FileNotFoundError(f"layering rule source {source} does not exist")
+            for path in [top] if top.is_file() else sorted(top.rglob("*.py")):
                 for line, module in imported_modules(path, root):
-                    if any(module == f or module.startswith(f + ".") for f in self.forbidden):
+                    if _under(module, self.forbidden) and not _under(module, self.allowed):
                         found.append(f"{path.relative_to(root)}:{line} imports {module}")
         return sorted(set(found))
 
 
 TRAINING_STACK = ("dspine_train.training", "dspine_train.objective", "hydra", "omegaconf",
                   "deepspeed", "accelerate", "datasets", "wandb")
+# The evaluation modules the trainer runs; they import neither training nor the engine.
+EVALUATION_CORE = ("dspine_train/evaluation/__init__.py", "dspine_train/evaluation/block_metrics.py",
+                   "dspine_train/evaluation/held_out.py")
 RULES = {
     "the product imports no tools": Rule(PRODUCT, ("scripts", "tests")),
     "modeling imports no training": Rule(("dspine_train/modeling",), ("dspine_train.training",)),
     "modeling imports no engine": Rule(("dspine_train/modeling",), ("dspine_train.engine",)),
     "the engine imports no training stack": Rule(("dspine_train/engine",), TRAINING_STACK),
     "data_prep imports no training module": Rule(("data_prep",), ("dspine_train.training",)),
-    "data_prep imports no evaluation harness": Rule(("data_prep",),
-                                                    ("dspine_train.eval_harness",)),
+    "data_prep imports no evaluation": Rule(("data_prep",), ("dspine_train.evaluation",)),
+    "the engine imports no evaluation": Rule(("dspine_train/engine",), ("dspine_train.evaluation",)),
+    "evaluation metrics import no training or engine": Rule(
+        EVALUATION_CORE, ("dspine_train.training", "dspine_train.engine")),
+    "training imports only evaluation metrics": Rule(
+        ("dspine_train/training", "dspine_train/objective.py"), ("dspine_train.evaluation",),
+        allowed=tuple(path.removesuffix(".py").replace("/", ".") for path in EVALUATION_CORE
+                      if not path.endswith("__init__.py"))),
 }
 
 
@@ -100,3 +122,23 @@ def test_every_import_form_is_seen(tmp_path: Path) -> None:
         "dspine_train/modeling/layers.py:5 imports scripts.tools",
         "dspine_train/modeling/layers.py:5 imports scripts.tools.REPO",
     ]
+
+
+def test_allowed_modules_and_single_files(tmp_path: Path) -> None:
+    """A rule on single files sees only those files; `allowed` lets the named modules (and their
+    submodules) through and nothing else of the forbidden package; a source that does not exist
+    is an error, not a pass."""
+    package = tmp_path / "dspine_train" / "training"
+    package.mkdir(parents=True)
+    (package / "trainer.py").write_text(
+        "from ..evaluation.block_metrics import accepted_prefix\n"
+        "from dspine_train.evaluation.parity import run_parity\n")
+    (package / "other.py").write_text("import dspine_train.evaluation.harness\n")
+    rule = Rule(("dspine_train/training/trainer.py",), ("dspine_train.evaluation",),
+                allowed=("dspine_train.evaluation.block_metrics",))
+    assert rule.violations(tmp_path) == [
+        "dspine_train/training/trainer.py:2 imports dspine_train.evaluation.parity",
+        "dspine_train/training/trainer.py:2 imports dspine_train.evaluation.parity.run_parity",
+    ]
+    with pytest.raises(FileNotFoundError, match="training/gone.py"):
+        Rule(("dspine_train/training/gone.py",), ("x",)).violations(tmp_path)

@@ -14,14 +14,14 @@ from dspine_train.modeling.attention_masks import training_mask_mod
 from dspine_train.objective import full_vocab_terms, sample_anchors
 from dspine_train.training.config import compose_train_config
 from dspine_train.training.draft_step import DraftStep
-from dspine_train.training.memory_plan import (
-    GIB,
-    _dense_decoder_parameters,
-    attention_items,
+from dspine_train.training.memory_plan.activations import attention_items
+from dspine_train.training.memory_plan.estimate import estimate_memory
+from dspine_train.training.memory_plan.parameters import (
+    dense_decoder_parameters,
     draft_parameter_counts,
-    estimate_memory,
     target_parameter_count,
 )
+from dspine_train.training.memory_plan.plan import GIB
 from dspine_train.training.tiny_assets import tiny_target_config
 from tests._model_helpers import USED_VOCAB, context_features, tiny_draft, tiny_target
 
@@ -78,7 +78,7 @@ def test_draft_parameter_count_is_the_real_draft_models(num_layers, overrides):
 
 def test_plan_counts_the_recipes_draft_as_built(tmp_path):
     """`memory_plan_for` sizes the draft the trainer would build for the tiny recipe."""
-    from dspine_train.training.planning import (
+    from dspine_train.training.memory_plan.for_recipe import (
         memory_plan_for,
         plan_draft_config,
         plan_target_config,
@@ -97,7 +97,7 @@ def test_target_parameter_count_matches_real_model(tied):
     real = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
     assert target_parameter_count(config) == real
     # The fallback formula for configs transformers cannot build agrees on this architecture.
-    assert _dense_decoder_parameters(config) == real
+    assert dense_decoder_parameters(config) == real
     if tied:  # the shared embedding and head count once
         untied = target_parameter_count(tiny_config(tie_word_embeddings=False))
         assert untied - real == config.vocab_size * config.hidden_size

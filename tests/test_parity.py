@@ -1,4 +1,4 @@
-"""Served acceptance equals trained acceptance, block by block (`dspine_train.parity`).
+"""Served acceptance equals trained acceptance, block by block (`dspine_train.evaluation.parity`).
 
 A tiny random target, a draft trained briefly on the target's own greedy continuations, and
 rows that are the target's greedy continuations of held-out prompts: on every block the engine
@@ -22,8 +22,7 @@ from _engine_helpers import (
 )
 
 from dspine_train.engine import Engine
-from dspine_train.modeling import DSpineDraftModel
-from dspine_train.parity import (
+from dspine_train.evaluation.parity import (
     ParityRowInput,
     extractor_features,
     round_anchors,
@@ -31,6 +30,7 @@ from dspine_train.parity import (
     run_parity,
     valid_anchors,
 )
+from dspine_train.modeling import DSpineDraftModel
 from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.target import TargetFeatures
 
@@ -176,7 +176,7 @@ def test_eval_acceptance_parity_mode_needs_data(world, tmp_path, capsys):
 
 
 def test_simulated_counts_do_not_depend_on_how_anchors_are_grouped(world):
-    from dspine_train.parity import simulated_accepted
+    from dspine_train.evaluation.parity import simulated_accepted
 
     _, step, features = _pair(world)
     row = world["rows"][0]
@@ -194,8 +194,8 @@ def test_every_block_evaluation_counts_what_parity_counts(world):
     block exactly what the parity check counts row by row, one forward per row."""
     from types import SimpleNamespace
 
-    from dspine_train.parity import simulated_accepted
-    from dspine_train.training.evaluation import every_block_plan, simulated_block_accepts
+    from dspine_train.evaluation.held_out import every_block_plan, simulated_block_accepts
+    from dspine_train.evaluation.parity import simulated_accepted
 
     _, step, features = _pair(world)
     seqs = [row.prompt + row.response for row in world["rows"]]

@@ -12,7 +12,7 @@ from transformers import Qwen2Config
 
 from dspine_train import DSpineConfig
 from dspine_train.training.config import compose_train_config
-from dspine_train.training.planning import plan_draft_config
+from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 from tests._train_helpers import DEFAULT_TARGET, REPO
 
 

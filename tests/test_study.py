@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspine_train.training.block_stats import BlockResults, paired_difference
+from dspine_train.evaluation.block_metrics import BlockResults, paired_difference
 from dspine_train.training.config import compose_train_config
-from dspine_train.training.planning import plan_draft_config
+from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 from scripts.tools.ablation import runner, study, study_plan
 from scripts.tools.ablation.records import Evaluation, StudyRecord
 from scripts.tools.ablation.runner import (

@@ -45,7 +45,7 @@ PUBLISHED_RUN = {"optim.lr": 6e-4, "optim.warmup_ratio": 0.04, "optim.epochs": 6
 
 
 def test_qwen3_8b_composes_to_the_published_setting() -> None:
-    from dspine_train.training.planning import plan_draft_config
+    from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 
     c = compose_train_config("recipe=qwen3_8b")
     draft = plan_draft_config(c)  # the recipe's draft fields over DSpineConfig's defaults
@@ -98,7 +98,7 @@ def test_plan_only_sizes_the_8b_recipe_without_weights(tmp_path: Path) -> None:
 
 
 def test_plan_device_picks_the_attention_path_the_plan_counts() -> None:
-    from dspine_train.training.planning import memory_plan_for
+    from dspine_train.training.memory_plan.for_recipe import memory_plan_for
 
     gpu = memory_plan_for(compose_train_config("recipe=qwen3_8b"))
     cpu = memory_plan_for(compose_train_config("recipe=qwen3_8b", "plan_device=cpu"))

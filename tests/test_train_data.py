@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspine_train.evaluation.block_metrics import accepted_prefix, block_counts, stats_from_counts
 from dspine_train.objective import sample_anchors
 from dspine_train.training.checkpointing import (
     STATE_FILE,
@@ -34,7 +35,6 @@ from dspine_train.training.draft_builder import (
 )
 from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.errors import TrainingError
-from dspine_train.training.evaluation import accepted_prefix, block_counts, stats_from_counts
 from dspine_train.training.inputs import check_inputs
 from dspine_train.training.offline_features import (
     CacheIdentity,

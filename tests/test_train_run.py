@@ -15,7 +15,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from safetensors import safe_open
 
 from dspine_train import DSpineDraftModel
-from dspine_train.training.block_stats import BlockResults
+from dspine_train.evaluation.block_metrics import BlockResults
 from dspine_train.training.checkpointing import STATE_FILE, checkpoint_name, complete_checkpoints
 from tests._train_helpers import (
     check_ok,

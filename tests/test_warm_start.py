@@ -41,7 +41,7 @@ from dspine_train.training.config import (
 )
 from dspine_train.training.draft_builder import build_draft, draft_config_for
 from dspine_train.training.errors import TrainingError
-from dspine_train.training.planning import plan_draft_config
+from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 from scripts.tools.bench.reference_parity import (
     record_engine_rounds,
     reference_block_logits,

@@ -36,7 +36,7 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)  # per draft position
     # Per sequence, the drafts accepted in each of its verifications, in order: round r of a
     # sequence verified the block anchored r rounds (and sum(accepted) + r tokens) after its
-    # first new token. The parity check (`dspine_train.parity`) aligns these with the trainer's
+    # first new token. The parity check (`dspine_train.evaluation.parity`) aligns these with the trainer's
     # simulated evaluation on the same anchors.
     round_accepted: list[list[int]] = field(default_factory=list)
     prefill_s: float = 0.0

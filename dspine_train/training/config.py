@@ -136,17 +136,17 @@ class ModelConfig:
             and cached here when missing. None: `<output_dir>/token_table.safetensors`.
         init_from: a draft to start from instead of a fresh draft: a DSpine export (its
             weights and structure; the objective fields this recipe sets are the recipe's:
-            `dspine_train.training.export_init`), or a DFlash-format checkpoint such as a
+            `training.initialisation.from_export`), or a DFlash-format checkpoint such as a
             published z-lab draft (its backbone, with DSpine's own parts at their init and this
             recipe's method and attention; the structure fields the recipe leaves unset are the
-            checkpoint's: `dspine_train.training.warm_start`).
+            checkpoint's: `training.initialisation.from_dflash`).
         warm_start_layers: one target layer index per draft layer (off: None): draft layer i
             starts as a copy of target decoder layer `warm_start_layers[i]` (attention, q/k
             norms, MLP, the two RMSNorms; read from the target's safetensors, so it works with
             offline features), the DSpine-only parts at their seeded init
-            (`dspine_train.training.layer_warm_start`). A training-time init like `init_from`
-            (not recorded in the export: the draft it gives has the same architecture);
-            exclusive with `init_from`.
+            (`training.initialisation.from_target_layers`). A training-time init like
+            `init_from` (not recorded in the export: the draft it gives has the same
+            architecture); exclusive with `init_from`.
         used_vocab_size: ids the target's tokenizer uses (`len(tokenizer)`; the mask token and
             `target_vocab_size` of the export follow from it). None: read from the tokenizer
             files in `target_path`, which a target then must have. Set it for a target

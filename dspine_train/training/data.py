@@ -13,6 +13,7 @@ position in the stream is one integer, the number of global micro-batches consum
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,15 @@ def epoch_batches(
     if group_by_length:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
+
+
+def evaluation_plan(
+    lengths: np.ndarray, batch_size: int, num_anchors: int, max_blocks: int, seed: int
+) -> list[list[int]]:
+    """The held-out batches evaluated: one length-grouped epoch, cut to about `max_blocks`
+    blocks (`batch_size * num_anchors` per batch, at least one batch)."""
+    plan = epoch_batches(lengths, batch_size, 0, seed, True, 8)
+    return plan[: max(1, math.ceil(max_blocks / (batch_size * num_anchors)))]
 
 
 class TokenBatches:

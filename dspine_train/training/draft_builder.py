@@ -16,9 +16,9 @@ from transformers import PretrainedConfig
 from ..formats import load_draft
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..token_table import TokenTable, build_token_table
-from . import export_init, layer_warm_start, warm_start
 from .config import ModelConfig
 from .errors import TrainingError
+from .initialisation import from_dflash, from_export, from_target_layers
 
 
 def _check_one_init_source(model_cfg: ModelConfig) -> None:
@@ -38,17 +38,17 @@ def draft_config_for(
 
     With `model.init_from` a DFlash checkpoint, its structure fills the fields the recipe leaves
     unset and must agree with the ones it sets, and it must have been made for this target
-    (`warm_start`). A DSpine export likewise, and its other fields (objective, curriculum,
-    decode) are the recipe's where the recipe sets them (`export_init`)."""
+    (`from_dflash`). A DSpine export likewise, and its other fields (objective, curriculum,
+    decode) are the recipe's where the recipe sets them (`from_export`)."""
     _check_one_init_source(model_cfg)
     overrides = model_cfg.draft_overrides()
-    checkpoint = warm_start.dflash_checkpoint(model_cfg.init_from)
+    checkpoint = from_dflash.dflash_checkpoint(model_cfg.init_from)
     if checkpoint is not None:
-        overrides = warm_start.structure_overrides(overrides, checkpoint, model_cfg.init_from)
+        overrides = from_dflash.structure_overrides(overrides, checkpoint, model_cfg.init_from)
     else:
-        checkpoint = export_init.export_config(model_cfg.init_from)
+        checkpoint = from_export.export_config(model_cfg.init_from)
         if checkpoint is not None:
-            overrides = export_init.continued_overrides(overrides, checkpoint,
+            overrides = from_export.continued_overrides(overrides, checkpoint,
                                                         model_cfg.init_from)
     try:
         config = DSpineConfig.from_target(
@@ -58,9 +58,9 @@ def draft_config_for(
         raise TrainingError(f"model: the draft does not fit the target {model_cfg.target_path!r}: "
                             f"{err}") from err
     if checkpoint is not None:
-        warm_start.check_target_fields(config, checkpoint, model_cfg.init_from)
+        from_dflash.check_target_fields(config, checkpoint, model_cfg.init_from)
     if model_cfg.warm_start_layers is not None:
-        layer_warm_start.check_layer_choice(list(model_cfg.warm_start_layers), config)
+        from_target_layers.check_layer_choice(list(model_cfg.warm_start_layers), config)
     config.target_name_or_path = model_cfg.target_path
     return config
 
@@ -108,12 +108,12 @@ def build_draft(
 
     `init_from` a DSpine export: a draft of `config` (built by `draft_config_for`: the export's
     structure, the recipe's objective) holding the export's weights, every one of them. A DFlash
-    checkpoint: the fresh draft of `config` with the checkpoint's backbone (`warm_start`).
+    checkpoint: the fresh draft of `config` with the checkpoint's backbone (`from_dflash`).
     `model.warm_start_layers`: the fresh draft with its decoder layers copied from those target
-    layers (`layer_warm_start`); `log` receives the line saying what was copied.
+    layers (`from_target_layers`); `log` receives the line saying what was copied.
     """
     _check_one_init_source(model_cfg)
-    dflash_init = warm_start.dflash_checkpoint(model_cfg.init_from) is not None
+    dflash_init = from_dflash.dflash_checkpoint(model_cfg.init_from) is not None
     if model_cfg.init_from and not dflash_init:
         try:
             exported = load_draft(model_cfg.init_from)  # ours or SpecForge's
@@ -127,9 +127,9 @@ def build_draft(
     draft = DSpineDraftModel(config)
     draft.init_token_table(table)
     if dflash_init:
-        warm_start.load_backbone(draft, model_cfg.init_from)
+        from_dflash.load_backbone(draft, model_cfg.init_from)
     if model_cfg.warm_start_layers is not None:
-        line = layer_warm_start.copy_target_layers(draft, model_cfg.target_path,
+        line = from_target_layers.copy_target_layers(draft, model_cfg.target_path,
                                                    list(model_cfg.warm_start_layers))
         if log is not None:
             log(line)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..evaluation.block_metrics import accepted_prefix, block_counts
 from ..modeling import DSpineDraftModel
 from ..objective import dspine_loss, slot_weights
-from .evaluation import accepted_prefix, block_counts
 
 
 class DraftStep(nn.Module):
@@ -87,9 +87,9 @@ class DraftStep(nn.Module):
         anchor_mask: torch.Tensor,
         eval_chunks: int = 0,
     ) -> torch.Tensor:
-        """The simulated evaluation of every block: `evaluation.accepted_prefix` flags
+        """The simulated evaluation of every block: `block_metrics.accepted_prefix` flags
         (B*A, Bk-1), block (b, i) at row b * A + i (padding blocks included; mask them with
-        `anchor_mask`). The parity check (`dspine_train.parity`) reads them per block."""
+        `anchor_mask`). The parity check (`evaluation.parity`) reads them per block."""
         draft = self.draft
         bk = draft.config.block_size
         bsz, seq_len = input_ids.shape

@@ -25,35 +25,31 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..evaluation.block_metrics import AcceptanceStats, BlockResults, stats_from_counts
+from ..evaluation.held_out import (
+    BlockPlan,
+    every_block_plan,
+    simulated_acceptance_counts,
+    simulated_block_accepts,
+)
 from ..modeling.attention_masks import default_use_flex, training_attention_path
 from ..modeling.compiled_flex import check_flex_usable
-from ..objective import sample_anchors
-from . import warm_start
-from .block_stats import BlockResults
+from ..objective import batch_generator, sample_anchors
 from .checkpointing import CheckpointManager, TrainState
 from .config import TrainConfig
 from .curriculum import replacement_mask, replacement_share
-from .data import Batch, BatchStream, TokenBatches
+from .data import Batch, BatchStream, TokenBatches, evaluation_plan
 from .distributed import build_accelerator, without_zero3_init
 from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
 from .draft_vocab import prune_draft_vocab, tokenizer_or_none
 from .errors import TrainingError
-from .evaluation import (
-    AcceptanceStats,
-    BlockPlan,
-    batch_generator,
-    evaluation_plan,
-    every_block_plan,
-    simulated_acceptance_counts,
-    simulated_block_accepts,
-    stats_from_counts,
-)
-from .export import check_export_dirs, export_draft
+from .initialisation import from_dflash
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity
 from .optimizer import build_optimizer
 from .plots import plot_training
+from .run_export import check_export_dirs, export_draft
 from .run_lock import lock_run_outputs, release_run_outputs
 from .target import (
     TargetFeatureExtractor,
@@ -169,13 +165,13 @@ class Trainer:
         draft = build_draft(m, inputs.draft_config, table, inputs.target_config, cfg.seed,
                             log=print if self.is_main else None)
         if draft.config.draft_vocab_size is not None and (
-                not m.init_from or warm_start.dflash_checkpoint(m.init_from) is not None):
+                not m.init_from or from_dflash.dflash_checkpoint(m.init_from) is not None):
             line = prune_draft_vocab(draft, inputs.train, inputs.eval,
                                      tokenizer_or_none(m.target_path))
             if self.is_main:
                 print(line)
-        if self.is_main and warm_start.dflash_checkpoint(m.init_from) is not None:
-            print(warm_start.describe(draft.config, m.init_from))
+        if self.is_main and from_dflash.dflash_checkpoint(m.init_from) is not None:
+            print(from_dflash.describe(draft.config, m.init_from))
         self.draft_config = draft.config
         dtype = torch.bfloat16 if cfg.precision.value == "bf16" else torch.float32
         draft.to(device=acc.device, dtype=dtype)

@@ -19,16 +19,12 @@ import torch
 # the repository root, for the `scripts` package (run as a script from anywhere)
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from dspine_train.evaluation.held_out import EVAL_SEED_OFFSET  # noqa: E402
 from dspine_train.formats import load_draft  # noqa: E402
-from dspine_train.objective import sample_anchors  # noqa: E402
+from dspine_train.objective import batch_generator, sample_anchors  # noqa: E402
 from dspine_train.training.config import compose_train_config  # noqa: E402
-from dspine_train.training.data import TokenBatches  # noqa: E402
+from dspine_train.training.data import TokenBatches, evaluation_plan  # noqa: E402
 from dspine_train.training.draft_step import DraftStep  # noqa: E402
-from dspine_train.training.evaluation import (  # noqa: E402
-    EVAL_SEED_OFFSET,
-    batch_generator,
-    evaluation_plan,
-)
 from dspine_train.training.inputs import check_inputs  # noqa: E402
 from dspine_train.training.offline_features import OfflineFeatures, cache_identity  # noqa: E402
 from dspine_train.training.target import read_embedding_and_head  # noqa: E402

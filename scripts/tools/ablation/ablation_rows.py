@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dspine_train.training.block_stats import BlockResults
+from dspine_train.evaluation.block_metrics import BlockResults
 
 from .records import AblationRow, Evaluation, RunBudget
 from .runner import BLOCKS_FILE, RUN_CONFIG, StudySettings, source_run_dir
@@ -65,7 +65,7 @@ def collect_row(settings: StudySettings, variant: Variant, evaluation: Evaluatio
 def _paired_vs_reference(settings: StudySettings, variant: Variant) -> dict[str, float] | None:
     """The variant's simulated tau minus the reference's on the same held-out blocks, with
     SEs."""
-    from dspine_train.training.block_stats import paired_difference
+    from dspine_train.evaluation.block_metrics import paired_difference
 
     mine = settings.run_dir(variant) / BLOCKS_FILE
     reference = settings.out_dir / REFERENCE / BLOCKS_FILE

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
-from dspine_train.training.block_stats import BlockResults
+from dspine_train.evaluation.block_metrics import BlockResults
 from scripts.tools.child_runs import run_logged
 
 from .records import Evaluation, Session
@@ -168,7 +168,7 @@ class StudySettings:
             f"model.token_table_path={self.token_table or 'null'}",
             f"optim.max_steps={self.steps}",
             f"eval.every={self.eval_every}",
-            # on every held-out block (paired across variants, with SEs: `block_stats`)
+            # on every held-out block (paired across variants, with SEs: `block_metrics`)
             "eval.every_block=true",
             f"eval.max_blocks={self.eval_max_blocks}",
             # an interrupted variant resumes from its last checkpoint instead of restarting
@@ -493,28 +493,28 @@ def harness_evaluator(target: str, settings: StudySettings,
     """`export_dir -> [BenchResult as dict]`: the evaluation harness on one draft export.
 
     `ar_cache`: shared by the calls of one process on one machine, so plain decoding (which
-    does not depend on the draft) runs once per benchmark (`eval_harness.evaluate`).
+    does not depend on the draft) runs once per benchmark (`harness.evaluate`).
 
     A failure (bad benchmark, incompatible draft, a prompt the caches cannot hold) becomes an
     `StudyError` naming the export.
     """
     from data_prep.benchmarks import load_benchmark
-    from dspine_train import eval_harness
     from dspine_train.engine import CheckpointError, GenerationInputError, IncompatibleDraftError
+    from dspine_train.evaluation import harness
 
     def run(export_dir: Path) -> list[dict]:
         try:
             benches = [load_benchmark(name, limit=settings.limit, seed=settings.eval_seed,
                                       max_prompt_chars=settings.max_prompt_chars)
                        for name in settings.benches]
-            results = eval_harness.evaluate(
+            results = harness.evaluate(
                 target, str(export_dir), benches, settings.temperatures,
                 max_new_tokens=settings.max_new_tokens,
                 num_draft_tokens=settings.num_draft_tokens, measure_ar=settings.measure_ar,
                 seed=settings.eval_seed, batch_size=settings.eval_batch_size,
                 ar_cache=ar_cache,
             )
-        except (eval_harness.BenchmarkError, CheckpointError, IncompatibleDraftError,
+        except (harness.BenchmarkError, CheckpointError, IncompatibleDraftError,
                 GenerationInputError, ValueError) as err:
             raise StudyError(f"evaluating {export_dir}: {err}") from err
         return [asdict(r) for r in results]

@@ -3,7 +3,7 @@
 A decode-time variant (e.g. `transition_cache: false` on trained weights) has no training run
 of its own, so no trainer evaluation. This re-runs the trainer's end-of-run evaluation - the
 same held-out batches, the same anchor draws, the same decode (`DraftStep`), through the one
-evaluation loop `training.evaluation.simulated_acceptance_counts` - on any exported draft,
+evaluation loop `evaluation.held_out.simulated_acceptance_counts` - on any exported draft,
 reading the target features from the offline cache. For a trained variant it reproduces the
 trainer's own number, which the ablation records as a check.
 """
@@ -16,19 +16,21 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from dspine_train.modeling import DSpineDraftModel
-from dspine_train.training.block_stats import BlockResults
-from dspine_train.training.config import TrainConfig, validate_config
-from dspine_train.training.data import TokenBatches, load_token_dataset, split_names
-from dspine_train.training.draft_step import DraftStep
-from dspine_train.training.evaluation import (
-    AcceptanceStats,
-    evaluation_plan,
+from dspine_train.evaluation.block_metrics import AcceptanceStats, BlockResults, stats_from_counts
+from dspine_train.evaluation.held_out import (
     every_block_plan,
     simulated_acceptance_counts,
     simulated_block_accepts,
-    stats_from_counts,
 )
+from dspine_train.modeling import DSpineDraftModel
+from dspine_train.training.config import TrainConfig, validate_config
+from dspine_train.training.data import (
+    TokenBatches,
+    evaluation_plan,
+    load_token_dataset,
+    split_names,
+)
+from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.offline_features import OfflineFeatures, cache_identity
 from dspine_train.training.target import read_embedding_and_head
 

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dspine_train.training.block_stats import BlockResults, paired_difference
+from dspine_train.evaluation.block_metrics import BlockResults, paired_difference
 from dspine_train.training.config import compose_train_config
 from scripts.tools import REPO
 

@@ -3,7 +3,7 @@
 Input: one record per finished variant (`study.variant_record`) and a `meta` dict (command,
 commit, machine, plan, data). Every figure with an error carries the standard error over
 blocks and, in brackets, the one clustered by held-out row; differences to the reference
-(`dspine`) are paired on the same blocks (`training.block_stats.paired_difference`).
+(`dspine`) are paired on the same blocks (`evaluation.block_metrics.paired_difference`).
 """
 
 from __future__ import annotations

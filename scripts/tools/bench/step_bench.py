@@ -21,16 +21,15 @@ import torch
 
 from dspine_train.engine.stats import StepTimer
 from dspine_train.modeling import DSpineDraftModel
-from dspine_train.objective import dspine_loss, sample_anchors
+from dspine_train.objective import batch_generator, dspine_loss, sample_anchors
 from dspine_train.training.config import TrainConfig, compose_train_config
 from dspine_train.training.data import BatchStream, TokenBatches
 from dspine_train.training.draft_builder import build_draft, load_or_build_token_table
 from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.draft_vocab import prune_draft_vocab, tokenizer_or_none
-from dspine_train.training.evaluation import batch_generator
 from dspine_train.training.inputs import check_inputs
+from dspine_train.training.memory_plan.for_recipe import plan_draft_config
 from dspine_train.training.offline_features import OfflineFeatures, cache_identity
-from dspine_train.training.planning import plan_draft_config
 from dspine_train.training.target import TargetFeatures, read_embedding_and_head
 from dspine_train.vocab_loss import target_topk
 from scripts.tools.bench.reference_objective import ReferenceDraftStep

@@ -50,7 +50,7 @@ def recipe_draft(recipe: str) -> tuple[Any, Any, Any]:
     (no tokenizer here: `plan_draft_config` then takes a placeholder mask id, which changes no
     memory).
     """
-    from dspine_train.training.planning import plan_draft_config
+    from dspine_train.training.memory_plan.for_recipe import plan_draft_config
     from dspine_train.training.tiny_assets import tiny_target_config
 
     config = recipe_config(recipe)
@@ -69,7 +69,7 @@ def training_step_memory(ck: Check) -> dict[str, Any]:
     """
     from dspine_train.objective import sample_anchors
     from dspine_train.training.draft_step import DraftStep
-    from dspine_train.training.planning import memory_plan_for
+    from dspine_train.training.memory_plan.for_recipe import memory_plan_for
 
     recipe = "tiny" if ck.tiny else "qwen3_8b"
     config, target_config, draft_config = recipe_draft(recipe)

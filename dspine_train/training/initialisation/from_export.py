@@ -5,7 +5,7 @@ depend on). The recipe leaves such a field unset (the export's value is taken) o
 export's value; any other value is an error naming the field, so a run never trains a draft other
 than the one its recipe describes. The other draft fields set the objective, the replacement
 curriculum and the decode: the recipe's values apply to the continued run and to its export, the
-export's where the recipe leaves one unset. (`warm_start` is the same for a DFlash checkpoint.)
+export's where the recipe leaves one unset. (`from_dflash` is the same for a DFlash checkpoint.)
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..formats import readable_format, specforge
-from ..formats.dflash import read_config
-from ..modeling import DSpineConfig
-from .errors import TrainingError
-from .warm_start import dflash_checkpoint, structure_overrides
+from ...formats import readable_format, specforge
+from ...formats.dflash import read_config
+from ...modeling import DSpineConfig
+from ..errors import TrainingError
+from .from_dflash import dflash_checkpoint, structure_overrides
 
 # The draft fields an export's weights depend on: the layers and their inputs, the block, the
 # attention and injection, the transfer space's sizes, the pruned vocabulary.
@@ -29,7 +29,7 @@ STRUCTURE_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_
 def export_config(init_from: str | None) -> DSpineConfig | None:
     """The config of the DSpine export (or SpecForge checkpoint) `init_from`, read from its
     config.json alone; None when there is no `init_from` or it is a DFlash checkpoint
-    (`warm_start`). A Hub id is read as transformers reads one. `TrainingError` naming
+    (`from_dflash`). A Hub id is read as transformers reads one. `TrainingError` naming
     `model.init_from` when it cannot be read."""
     if not init_from or dflash_checkpoint(init_from) is not None:
         return None

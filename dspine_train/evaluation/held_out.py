@@ -10,108 +10,53 @@ decode would see. tau = 1 + accepted (the bonus token), in [1, B].
 `simulated_acceptance_counts` is the one evaluation loop: the trainer runs it on its held-out
 split every `eval.every` steps (each process a share), and the ablation runs it again on any
 exported draft (`scripts.tools.ablation.simulated`), so both measure the same blocks the same way.
+`simulated_block_accepts` evaluates every block of a fixed `BlockPlan` instead, one count per
+block (`block_metrics.BlockResults`).
+
+The trainer imports this module, so it imports nothing from training: the held-out rows come in
+as any `HeldOutRows` (`training.data.TokenBatches`), the plan of batches as row indices
+(`training.data.evaluation_plan`), and the slot rule is `block_metrics.accepted_prefix`, applied
+inside `DraftStep`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from ..objective import sample_anchors
-from .data import Batch, TokenBatches, epoch_batches
+from ..objective import batch_generator, sample_anchors
 
 # Offset that keeps the eval anchor draws apart from the training ones.
 EVAL_SEED_OFFSET = 1 << 40
 
 
-def accepted_prefix(
-    draft_tokens: torch.Tensor,
-    target_tokens: torch.Tensor,
-    data_tokens: torch.Tensor,
-    supervised: torch.Tensor,
-) -> torch.Tensor:
-    """Per-slot "accepted so far" flags (..., Bk-1) as float 0/1.
+class HeldOutBatch(Protocol):
+    """A padded batch of held-out rows (`training.data.Batch`)."""
 
-    All inputs (..., Bk-1): draft tokens, the target's greedy tokens, the data tokens and
-    whether the slot is inside the sequence's supervised response.
-    """
-    ok = (draft_tokens == target_tokens) & (data_tokens == target_tokens) & supervised
-    return torch.cumprod(ok.float(), dim=-1)
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def to(self, device: torch.device) -> HeldOutBatch: ...
 
 
-@dataclass
-class AcceptanceStats:
-    """Accumulated acceptance over blocks.
+class HeldOutRows(Protocol):
+    """The held-out rows, collated into batches by row index (`training.data.TokenBatches`)."""
 
-    blocks: number of evaluated blocks; accepted: sum of accepted slots over blocks;
-    per_position: (Bk-1,) blocks whose first k slots were all accepted, k = 1..Bk-1.
-    """
-
-    blocks: float = 0.0
-    accepted: float = 0.0
-    per_position: list[float] = field(default_factory=list)
-
-    @property
-    def tau(self) -> float:
-        """Mean acceptance length (accepted + the bonus token)."""
-        return 1.0 + self.accepted / max(self.blocks, 1.0)
-
-    def position_rates(self) -> list[float]:
-        """Share of blocks whose first k drafted tokens were all accepted, k = 1..Bk-1."""
-        return [p / max(self.blocks, 1.0) for p in self.per_position]
-
-    def as_metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        """Flat metrics for logging: tau, blocks and the per-position rates."""
-        out = {f"{prefix}tau": self.tau, f"{prefix}blocks": self.blocks}
-        for k, rate in enumerate(self.position_rates(), start=1):
-            out[f"{prefix}accept_pos{k}"] = rate
-        return out
-
-
-def block_counts(prefix: torch.Tensor, block_valid: torch.Tensor) -> torch.Tensor:
-    """Sums for `AcceptanceStats`: [blocks, accepted, per-position...] as one float tensor.
-
-    prefix (..., Bk-1) from `accepted_prefix`; block_valid (...,) marks real (not padding)
-    blocks. One tensor so that all processes can sum it with a single all-reduce.
-    """
-    weight = block_valid.float()[..., None]
-    per_position = (prefix * weight).reshape(-1, prefix.shape[-1]).sum(0)  # (Bk-1,)
-    blocks = block_valid.float().sum()
-    return torch.cat((blocks[None], per_position.sum()[None], per_position))
-
-
-def stats_from_counts(counts: torch.Tensor) -> AcceptanceStats:
-    """Inverse of `block_counts` (after summing over processes and batches)."""
-    values = counts.tolist()
-    return AcceptanceStats(blocks=values[0], accepted=values[1], per_position=values[2:])
+    def collate(self, rows: list[int]) -> HeldOutBatch: ...
 
 
 # ------------------------------------------------------------------------- the evaluation loop
-def batch_generator(seed: int, index: int) -> torch.Generator:
-    """The RNG of one global batch: same draws on any world size and after any resume."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + index)
-
-
-def evaluation_plan(
-    lengths: np.ndarray, batch_size: int, num_anchors: int, max_blocks: int, seed: int
-) -> list[list[int]]:
-    """The held-out batches evaluated: one length-grouped epoch, cut to about `max_blocks`
-    blocks (`batch_size * num_anchors` per batch, at least one batch)."""
-    plan = epoch_batches(lengths, batch_size, 0, seed, True, 8)
-    return plan[: max(1, math.ceil(max_blocks / (batch_size * num_anchors)))]
-
-
 @torch.no_grad()
 def simulated_acceptance_counts(
     step: Callable[..., torch.Tensor],
-    batches: TokenBatches,
+    batches: HeldOutRows,
     plan: Sequence[list[int]],
-    features: Callable[[Batch], Any],
+    features: Callable[[HeldOutBatch], Any],
     *,
     seed: int,
     num_anchors: int,
@@ -202,9 +147,9 @@ def every_block_plan(
 @torch.no_grad()
 def simulated_block_accepts(
     step: Callable[..., Any],
-    batches: TokenBatches,
+    batches: HeldOutRows,
     plan: BlockPlan,
-    features: Callable[[Batch], Any],
+    features: Callable[[HeldOutBatch], Any],
     *,
     device: torch.device | str = "cpu",
     rank: int = 0,
@@ -212,7 +157,7 @@ def simulated_block_accepts(
     eval_chunks: int = 0,
 ) -> torch.Tensor:
     """Accepted drafts of every block of `plan` this process evaluates, (N,) float, 0 at the
-    others: summed over processes it is every block's count (`block_stats.BlockResults`).
+    others: summed over processes it is every block's count (`block_metrics.BlockResults`).
 
     `step` is the `DraftStep`; process `rank` takes entries rank, rank + world_size, ...; a
     process past the end repeats an entry counted as nothing, so all make the same calls.

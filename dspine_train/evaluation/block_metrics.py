@@ -1,11 +1,20 @@
-"""Acceptance per held-out block, its standard errors, and paired comparisons of two drafts.
+"""Acceptance of drafted blocks: the per-slot rule, its sums, per-block results and their SEs.
 
-The simulated evaluation (`training.evaluation`) yields one number per block: the drafts the
-target accepts there (0..B-1; tau of the block = 1 + that). Blocks of one dataset row are not
-independent (a row the draft finds easy is easy at every anchor), so besides the plain standard
-error of the mean over blocks this reports a per-row clustered one, and two drafts evaluated on
-the very same blocks are compared *paired*: the mean of their per-block differences, whose
-standard error removes the variance the blocks share.
+Pure functions of tensors and arrays (no training, no engine): the trainer's `DraftStep` and
+its held-out loop (`evaluation.held_out`), the ablation and the parity check all count
+acceptance with these.
+
+A drafted slot k of a block is accepted when every slot j <= k has draft token == the target's
+greedy token == the data token, inside the supervised response (`accepted_prefix`; METHOD 1
+"Inference"). `block_counts` sums those flags over blocks into one tensor that processes
+all-reduce; `AcceptanceStats` is the result.
+
+The every-block evaluation (`held_out.simulated_block_accepts`) yields one number per block: the
+drafts the target accepts there (0..B-1; tau of the block = 1 + that), kept as `BlockResults`.
+Blocks of one dataset row are not independent (a row the draft finds easy is easy at every
+anchor), so besides the plain standard error of the mean over blocks this reports a per-row
+clustered one, and two drafts evaluated on the very same blocks are compared *paired*: the mean
+of their per-block differences, whose standard error removes the variance the blocks share.
 
 Standard errors, for values x_1..x_N with mean m in clusters g = 1..G (the rows):
 
@@ -19,13 +28,78 @@ small-sample factor; with one block per row it equals `se`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 
+# ------------------------------------------------------------------ per-slot acceptance
+def accepted_prefix(
+    draft_tokens: torch.Tensor,
+    target_tokens: torch.Tensor,
+    data_tokens: torch.Tensor,
+    supervised: torch.Tensor,
+) -> torch.Tensor:
+    """Per-slot "accepted so far" flags (..., Bk-1) as float 0/1.
+
+    All inputs (..., Bk-1): draft tokens, the target's greedy tokens, the data tokens and
+    whether the slot is inside the sequence's supervised response.
+    """
+    ok = (draft_tokens == target_tokens) & (data_tokens == target_tokens) & supervised
+    return torch.cumprod(ok.float(), dim=-1)
+
+
+@dataclass
+class AcceptanceStats:
+    """Accumulated acceptance over blocks.
+
+    blocks: number of evaluated blocks; accepted: sum of accepted slots over blocks;
+    per_position: (Bk-1,) blocks whose first k slots were all accepted, k = 1..Bk-1.
+    """
+
+    blocks: float = 0.0
+    accepted: float = 0.0
+    per_position: list[float] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (accepted + the bonus token)."""
+        return 1.0 + self.accepted / max(self.blocks, 1.0)
+
+    def position_rates(self) -> list[float]:
+        """Share of blocks whose first k drafted tokens were all accepted, k = 1..Bk-1."""
+        return [p / max(self.blocks, 1.0) for p in self.per_position]
+
+    def as_metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """Flat metrics for logging: tau, blocks and the per-position rates."""
+        out = {f"{prefix}tau": self.tau, f"{prefix}blocks": self.blocks}
+        for k, rate in enumerate(self.position_rates(), start=1):
+            out[f"{prefix}accept_pos{k}"] = rate
+        return out
+
+
+def block_counts(prefix: torch.Tensor, block_valid: torch.Tensor) -> torch.Tensor:
+    """Sums for `AcceptanceStats`: [blocks, accepted, per-position...] as one float tensor.
+
+    prefix (..., Bk-1) from `accepted_prefix`; block_valid (...,) marks real (not padding)
+    blocks. One tensor so that all processes can sum it with a single all-reduce.
+    """
+    weight = block_valid.float()[..., None]
+    per_position = (prefix * weight).reshape(-1, prefix.shape[-1]).sum(0)  # (Bk-1,)
+    blocks = block_valid.float().sum()
+    return torch.cat((blocks[None], per_position.sum()[None], per_position))
+
+
+def stats_from_counts(counts: torch.Tensor) -> AcceptanceStats:
+    """Inverse of `block_counts` (after summing over processes and batches)."""
+    values = counts.tolist()
+    return AcceptanceStats(blocks=values[0], accepted=values[1], per_position=values[2:])
+
+
+# --------------------------------------------------------- per-block results and their SEs
 def mean_se(values: np.ndarray) -> float:
     """Standard error of the mean of `values` (sample standard deviation / sqrt(N))."""
     values = np.asarray(values, dtype=np.float64)

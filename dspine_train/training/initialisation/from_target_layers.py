@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint_io import SafetensorsWeights, WeightsError
-from ..modeling import DSpineConfig, DSpineDraftModel
-from .errors import TrainingError
+from ...checkpoint_io import SafetensorsWeights, WeightsError
+from ...modeling import DSpineConfig, DSpineDraftModel
+from ..errors import TrainingError
 
 FIELD = "model.warm_start_layers"
 

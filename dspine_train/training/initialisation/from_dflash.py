@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ..formats import FormatError, dflash, readable_format
-from ..modeling import DSpineConfig, DSpineDraftModel
-from .errors import TrainingError
+from ...formats import FormatError, dflash, readable_format
+from ...modeling import DSpineConfig, DSpineDraftModel
+from ..errors import TrainingError
 
 # Structure fields: the checkpoint's unless the recipe sets them (then they must agree).
 STRUCTURE_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id",
@@ -69,7 +69,7 @@ def structure_overrides(overrides: dict[str, Any], checkpoint: DSpineConfig, sou
                         kind: str = "DFlash checkpoint") -> dict[str, Any]:
     """The recipe's draft `overrides` completed with the checkpoint's structure `fields`;
     `TrainingError` naming every `model.<field>` the recipe sets to another value (`kind`:
-    what the message calls the checkpoint; `export_init` passes a DSpine export's fields)."""
+    what the message calls the checkpoint; `from_export` passes a DSpine export's fields)."""
     merged = dict(overrides)
     conflicts = []
     noun = kind.split()[-1]

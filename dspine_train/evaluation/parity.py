@@ -1,6 +1,6 @@
 """Served acceptance against trained acceptance, block by block (the parity check).
 
-The trainer's simulated evaluation (`training.evaluation`, run by `DraftStep` with
+The trainer's simulated evaluation (`evaluation.held_out`, run by `DraftStep` with
 `evaluate=True`) and the engine (`engine.Engine` at temperature 0) must accept the same drafts
 when they see the same block: the same prefix, the same anchor, the same draft. This module
 runs both on the same rows and lines them up:
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .training.draft_step import DraftStep
-from .training.target import TargetFeatureExtractor, TargetFeatures
+from ..training.draft_step import DraftStep
+from ..training.target import TargetFeatureExtractor, TargetFeatures
 
 FeatureFn = Callable[[torch.Tensor], TargetFeatures]
 
@@ -396,8 +396,8 @@ def load_parity_pair(target: str | Path, draft: str | Path, *, device: str = "cp
     (HF target, the same exported draft, `DraftStep`) in `dtype` on `device`."""
     from transformers import AutoModelForCausalLM
 
-    from .engine import Engine
-    from .modeling import DSpineDraftModel
+    from ..engine import Engine
+    from ..modeling import DSpineDraftModel
 
     engine = Engine.from_pretrained(target, draft, device=device, dtype=dtype,
                                     max_batch_size=1, max_seq_len=max_seq_len)
@@ -417,7 +417,7 @@ def parity_from_dataset(target: str | Path, draft: str | Path, data: str | Path,
     """The parity check on the first `limit` rows of a tokenised dataset's `split` (the
     trainer's held-out split by default): prompts and responses as `rows_from_dataset` cuts
     them, whole responses unless `max_new_tokens` caps them."""
-    from .training.data import load_token_dataset
+    from ..training.data import load_token_dataset
 
     dataset = load_token_dataset(str(data), split, "--data")
     if limit is not None:

@@ -1,7 +1,7 @@
 """Evaluation harness: engine-measured acceptance of exported drafts on offline benchmarks.
 
     from data_prep.benchmarks import load_benchmark
-    from dspine_train.eval_harness import evaluate, results_markdown, plot_results, save_results
+    from dspine_train.evaluation.harness import evaluate, results_markdown, plot_results, save_results
     benches = [load_benchmark(name, limit=8) for name in ("humaneval", "sharegpt")]
     results = {"dspine": evaluate(target_dir, draft_dir, benches, [0.0, 1.0])}
     print(results_markdown(results))

@@ -1,12 +1,13 @@
-"""Export the trained draft as a Hugging Face model directory.
+"""The trainer's export of its draft (`output_dir/final`, `best`): a Hugging Face model directory.
 
 `model.safetensors` + `config.json` in the format `export.format` names (`dspine_train.formats`:
 "dspine" is `save_pretrained` plus the DFlash keys, the token codes being a buffer of the draft;
 "dflash" is z-lab's DFlashDraftModel format, backbone only), a `token_table.safetensors` copy
-of the full table (dspine only), and `training_info.json`. The target's embedding and lm_head are never part of it. Under ZeRO-3
-the weights are gathered first (`accelerator.get_state_dict`, which relies on
-`stage3_gather_16bit_weights_on_model_save`). `DSpineDraftModel.from_pretrained(path)` reloads
-it bit-identically.
+of the full table (dspine only), and `training_info.json`. The target's embedding and lm_head
+are never part of it. Under ZeRO-3 the weights are gathered first (`accelerator.get_state_dict`,
+which relies on `stage3_gather_16bit_weights_on_model_save`).
+`DSpineDraftModel.from_pretrained(path)` reloads it bit-identically. Converting an export to
+another format afterwards is the CLI `python -m dspine_train.export`.
 """
 
 from __future__ import annotations

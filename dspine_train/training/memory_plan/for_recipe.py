@@ -1,4 +1,8 @@
-"""`plan_only=true`: the per-GPU memory plan of a recipe, from configs alone (no weights)."""
+"""`plan_only=true`: the per-GPU memory plan of a recipe, from configs alone (no weights).
+
+The target's config and the draft the trainer would build for it, handed to
+`estimate.estimate_memory`.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,16 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from ..modeling import DSpineConfig
-from ..modeling.attention_masks import default_use_flex
-from . import warm_start
-from .config import Precision, TrainConfig
-from .draft_builder import draft_config_for
-from .errors import TrainingError
-from .memory_plan import MemoryPlan, estimate_memory
-from .target import load_target_config, used_vocab_size
-from .tiny_assets import tiny_target_config
+from ...modeling import DSpineConfig
+from ...modeling.attention_masks import default_use_flex
+from ..config import Precision, TrainConfig
+from ..draft_builder import draft_config_for
+from ..errors import TrainingError
+from ..initialisation import from_dflash
+from ..target import load_target_config, used_vocab_size
+from ..tiny_assets import tiny_target_config
+from .estimate import estimate_memory
+from .plan import MemoryPlan
 
 
 def plan_target_config(config: TrainConfig) -> PretrainedConfig:
@@ -46,9 +51,9 @@ def plan_draft_config(config: TrainConfig, target: PretrainedConfig | None = Non
             used = used_vocab_size(m.target_path, target.vocab_size, m.used_vocab_size)
         except TrainingError:
             pass  # the run names what is wrong with the tokenizer; the plan needs no mask id
-    # (a DFlash checkpoint in `init_from` brings its own mask id: `warm_start`)
+    # (a DFlash checkpoint in `init_from` brings its own mask id: `from_dflash`)
     if ((used is None or used >= target.vocab_size) and m.mask_token_id is None
-            and warm_start.dflash_checkpoint(m.init_from) is None):
+            and from_dflash.dflash_checkpoint(m.init_from) is None):
         m = dataclasses.replace(m, mask_token_id=target.vocab_size - 1)
     return draft_config_for(m, target, used)
 
