@@ -352,6 +352,7 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
     import torch
 
     from data_prep.benchmarks import load_benchmark
+    from dspine_train.engine.ngram import NgramConfig
     from dspine_train.evaluation.harness import (
         build_engine,
         evaluate,
@@ -374,7 +375,8 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
     loaded = [load_benchmark(b, limit=args.eval_prompts) for b in benches]
     engine = build_engine(demo.target, draft, loaded, max_new_tokens=args.eval_max_new_tokens,
                           device="cuda" if torch.cuda.is_available() else "cpu",
-                          dtype=getattr(torch, args.serve_dtype))
+                          dtype=getattr(torch, args.serve_dtype),
+                          ngram_tokens=NgramConfig().num_tokens)
     ar_cache: dict = {}  # plain decoding does not depend on g: run it once
     results = {}
     for index, g in enumerate(dict.fromkeys(g_values)):
@@ -391,6 +393,16 @@ def stage_evaluate(demo: Demo) -> dict[str, Any]:
                                  num_draft_tokens=g, engine=engine,
                                  measure_ar=greedy, ar_cache=ar_cache)
         results[f"DSpine g={g}"] = rows
+    # The engine's best default on a CPU: n-gram (prompt-lookup) branches merged into the
+    # draft's tree, each round's shape chosen by measured cost. Greedy only: plain decoding is
+    # reused from above, and the output must equal it.
+    g = g_values[0]
+    engine.configure_ngram(NgramConfig(), adaptive=True)
+    results[f"hybrid g={g} (adaptive)"] = evaluate(
+        demo.target, draft, loaded, [t for t in temperatures if t == 0] or [0.0],
+        max_new_tokens=args.eval_max_new_tokens, num_draft_tokens=g, engine=engine,
+        measure_ar=True, ar_cache=ar_cache)
+    engine.configure_ngram(None)
     out = demo.path("eval")
     save_results(results, out / "results.json", metadata={"target": str(demo.target),
                                                           "draft": str(draft)})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -152,8 +153,8 @@ def test_answers_evaluation_and_parity_share_one_dtype(tmp_path: Path, monkeypat
     caused: before, a CPU with native bf16 answered in bf16 and evaluated in fp32)."""
     import data_prep.benchmarks as benchmarks
     import data_prep.regenerate as regenerate
-    import dspine_train.eval_harness as harness
-    import dspine_train.parity as parity
+    import dspine_train.evaluation.harness as harness
+    import dspine_train.evaluation.parity as parity
     from dspine_train.benchmark_prompts import Benchmark
 
     monkeypatch.setattr(local, "native_bf16", lambda device: native)
@@ -169,7 +170,7 @@ def test_answers_evaluation_and_parity_share_one_dtype(tmp_path: Path, monkeypat
 
     def fake_engine(*args, **kwargs):
         seen["evaluate"] = kwargs.get("dtype")  # None: the engine's default for the device
-        return "engine"
+        return SimpleNamespace(configure_ngram=lambda *a, **kw: None)
 
     def fake_parity(*args, **kwargs):
         seen["parity"] = kwargs.get("dtype", torch.float32)  # parity's own default

@@ -76,9 +76,11 @@ def test_pipeline_end_to_end_is_lossless_and_cached(demo_run: dict[str, Path]) -
 
     # The harness measured the exported draft with the engine: lossless at T=0, tau in range.
     results = json.loads((out / "eval" / "results.json").read_text())["results"]
-    assert set(results) == {f"DSpine g={BLOCK - 1}", "DSpine g=3"}
+    hybrid = f"hybrid g={BLOCK - 1} (adaptive)"  # n-gram branches, shapes by measured cost
+    assert set(results) == {f"DSpine g={BLOCK - 1}", "DSpine g=3", hybrid}
     rows = [row for variant in results.values() for row in variant]
-    assert [r["lossless"] for r in rows if r["temperature"] == 0] == [True, True]
+    assert [r["lossless"] for r in rows if r["temperature"] == 0] == [True, True, True]
+    assert [r["temperature"] for r in results[hybrid]] == [0.0]
     assert all(1.0 <= r["tau"] <= r["num_draft_tokens"] + 1 for r in rows)
     assert (out / "eval" / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     assert "Acceptance length tau" in (out / "demo_report.md").read_text()

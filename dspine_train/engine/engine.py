@@ -98,6 +98,7 @@ class Engine:
     without a draft, makes `generate` the n-gram mode. `adaptive=True` lets each round verify
     the shape with the most expected tokens per second instead (`engine.round_planner`; its
     costs are measured by `calibrate`, which `warmup` runs); the output is the same either way.
+    `configure_ngram` changes them later.
     """
 
     def __init__(
@@ -177,8 +178,8 @@ class Engine:
         self._commit_step = StepCache(self._commit, "commit", state=self._commit_state, **steps)
         self._tree = TreeVerifier(target, draft, lambda: self.draft_cache, steps)
         self.configure_tree(tree_paths, tree_nodes)
-        self.ngram, self.adaptive = ngram, bool(adaptive)
         self._costs: dict[tuple[int, int], RoundCosts] = {}  # (batch, g) -> measured costs
+        self.configure_ngram(ngram, adaptive)
         # Per-round bookkeeping lives on the device, updated in place: the rows running at the
         # start of the round (`_active`) and those still running after it (`_running`).
         self._active = torch.zeros(max_batch_size, dtype=torch.bool, device=self.device)
@@ -287,6 +288,12 @@ class Engine:
                 f"tree_nodes={nodes} (CLI: --tree-nodes) sizes a token tree and needs "
                 "tree_paths > 1 (CLI: --tree-paths); the chain verifies num_draft_tokens nodes")
         self.tree_paths, self.tree_nodes = int(paths), nodes
+
+    def configure_ngram(self, ngram: NgramConfig | None, adaptive: bool = False) -> None:
+        """N-gram candidates (None: none) and whether round shapes are chosen by measured cost,
+        for the calls from now on."""
+        self.ngram, self.adaptive = ngram, bool(adaptive)
+        self._costs.clear()  # measured for other shapes
 
     def _tree_budget(self, num_draft_tokens: int) -> int | None:
         """Nodes verified per round by a tree round, or None where the round is a chain."""

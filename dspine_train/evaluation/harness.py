@@ -195,10 +195,11 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
 def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchmark], *,
                  max_new_tokens: int, batch_size: int = 1, device: str | None = None,
                  tree_paths: int = 1, tree_nodes: int | None = None,
-                 dtype: torch.dtype | None = None) -> Any:
+                 dtype: torch.dtype | None = None, ngram_tokens: int = 0) -> Any:
     """An `Engine` for ``target`` + ``draft`` with caches just long enough for ``benches``
     (and for a verified round of a token tree of that budget, where it is wider than a block:
-    ``tree_nodes``, by default ``tree_paths`` x (block - 1)), the target in ``dtype`` (None:
+    ``tree_nodes``, by default ``tree_paths`` x (block - 1); plus ``ngram_tokens`` where hybrid
+    rounds add an n-gram branch, `Engine.configure_ngram`), the target in ``dtype`` (None:
     the engine's default, the checkpoint's on CUDA and float32 on a CPU)."""
     from transformers import AutoTokenizer
 
@@ -217,8 +218,8 @@ def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchm
                   for ids in encode_messages(tokenizer, bench.prompts, kwargs))
     block = draft_config.get("block_size")
     block = block if isinstance(block, int) else 16  # a bad one is the engine's to name
-    width = 0 if tree_paths <= 1 else (tree_nodes or tree_paths * (block - 1))
-    needed = longest + max_new_tokens + max(block, width) + 1
+    width = (block - 1) if tree_paths <= 1 else (tree_nodes or tree_paths * (block - 1))
+    needed = longest + max_new_tokens + max(block, width + ngram_tokens) + 1
     try:
         config = read_target_config(target)
     except (OSError, ValueError) as err:

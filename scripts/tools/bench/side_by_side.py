@@ -328,7 +328,7 @@ def load_benchmarks(args: argparse.Namespace, setup: Setup) -> list[tuple[str, l
                                                       else ["humaneval", "sharegpt"])
     if names:
         from data_prep.benchmarks import load_benchmark
-        from dspine_train.eval_harness import encode_messages
+        from dspine_train.evaluation.harness import encode_messages
 
         for name in (n.strip() for n in names if n.strip()):
             bench = load_benchmark(name, limit=args.bench_prompts)
