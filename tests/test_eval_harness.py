@@ -223,3 +223,18 @@ def test_the_harness_imports_nothing_from_data_prep_training_or_a_cli() -> None:
 def test_evaluate_asks_for_loaded_benchmarks() -> None:
     with pytest.raises(BenchmarkError, match="loaded `Benchmark`s.*not names"):
         evaluate("target", "draft", ["humaneval"], [0.0], engine=object())
+
+
+def test_a_pipe_in_a_variant_or_bench_name_keeps_every_table_row_whole() -> None:
+    """Names come from the user (`--bench` paths, variant labels): a `|` in one is escaped, so
+    every row of each table keeps as many cells as its header."""
+    row = BenchResult("code|chat", 0.0, 1, 8, 2.5, [0.75, 0.75], 10.0, 5.0, 2.0, True, 1.0,
+                      2.0, num_draft_tokens=2, block_size=3)
+    text = results_markdown({"dspine | g=2": [row]})
+    tables = [[line for line in part.splitlines() if line.startswith("|")]
+              for part in text.split("####")[1:]]
+    assert len(tables) == 3
+    for lines in tables:
+        cells = [len(line.replace("\\|", "").split("|")) for line in lines]
+        assert len(lines) == 3 and len(set(cells)) == 1, lines
+    assert "dspine \\| g=2" in text and "code\\|chat" in text

@@ -27,14 +27,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from dspine_train.benchmark_prompts import Benchmark, BenchmarkError, Messages
 from dspine_train.checkpoint_io import write_atomic, write_text_atomic
-from dspine_train.engine.stats import sum_stats
+from dspine_train.engine.stats import GenerationStats, sum_stats
+from dspine_train.markdown_table import markdown_table
+
+if TYPE_CHECKING:  # annotations only; `build_engine` imports it where it builds one
+    from dspine_train.engine import Engine
 
 RESULTS_FORMAT = "dspine-eval-results/1"
 
@@ -95,8 +99,8 @@ def encode_messages(tokenizer: Any, prompts: Sequence[Messages],
     return encoded
 
 
-def _run(engine: Any, ids: list[list[int]], batch_size: int, speculative: bool, desc: str,
-         **kwargs: Any) -> tuple[list[list[int]], Any]:
+def _run(engine: Engine, ids: list[list[int]], batch_size: int, speculative: bool, desc: str,
+         **kwargs: Any) -> tuple[list[list[int]], GenerationStats]:
     """Generate for every prompt in batches; the new tokens per prompt and the summed stats."""
     method = engine.generate if speculative else engine.generate_ar
     tokens, parts = [], []
@@ -110,8 +114,8 @@ def _run(engine: Any, ids: list[list[int]], batch_size: int, speculative: bool, 
 def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark],
              temperatures: list[float], *, max_new_tokens: int = 64,
              num_draft_tokens: int | None = None, measure_ar: bool = True, seed: int = 0,
-             engine: Any = None, batch_size: int = 1, device: str | None = None,
-             ar_cache: dict[tuple, tuple[list[list[int]], Any]] | None = None,
+             engine: Engine | None = None, batch_size: int = 1, device: str | None = None,
+             ar_cache: dict[tuple, tuple[list[list[int]], GenerationStats]] | None = None,
              tree_paths: int = 1, tree_nodes: int | None = None,
              ) -> list[BenchResult]:
     """Run speculative (and plain) decoding of ``draft`` on each benchmark and temperature.
@@ -195,7 +199,7 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
 def build_engine(target: str | Path, draft: str | Path, benches: Sequence[Benchmark], *,
                  max_new_tokens: int, batch_size: int = 1, device: str | None = None,
                  tree_paths: int = 1, tree_nodes: int | None = None,
-                 dtype: torch.dtype | None = None, ngram_tokens: int = 0) -> Any:
+                 dtype: torch.dtype | None = None, ngram_tokens: int = 0) -> Engine:
     """An `Engine` for ``target`` + ``draft`` with caches just long enough for ``benches``
     (and for a verified round of a token tree of that budget, where it is wider than a block:
     ``tree_nodes``, by default ``tree_paths`` x (block - 1); plus ``ngram_tokens`` where hybrid
@@ -254,39 +258,38 @@ def _lossless(value: bool | None) -> str:
 def results_markdown(results: dict[str, list[BenchResult]]) -> str:
     """Markdown tables: tau per variant x (benchmark, temperature), speed, per-position rates."""
     columns = _columns(results)
-    lines = ["#### Acceptance length tau (engine-measured)", "",
-             "| variant | " + " | ".join(f"{b} T={t:g}" for b, t in columns) + " | mean |",
-             "|---|" + "---:|" * (len(columns) + 1)]
+    tau_rows = []
     for name, rows in results.items():
         by_key = {(r.bench, r.temperature): r.tau for r in rows}
         taus = [by_key.get(key) for key in columns]
         present = [t for t in taus if t is not None]
         mean = sum(present) / len(present) if present else None
-        lines.append(f"| {name} | " + " | ".join(_fmt(t) for t in taus) + f" | {_fmt(mean)} |")
+        tau_rows.append([name, *(_fmt(t) for t in taus), _fmt(mean)])
+    lines = ["#### Acceptance length tau (engine-measured)", "",
+             *markdown_table(["variant", *(f"{b} T={t:g}" for b, t in columns), "mean"],
+                             tau_rows, align="l" + "r" * (len(columns) + 1))]
 
+    speed_rows = [
+        [name, r.bench, f"{r.temperature:g}", r.num_draft_tokens,
+         "chain" if r.tree_paths <= 1 else f"{r.tree_paths}/{r.tree_nodes}", r.num_prompts,
+         r.new_tokens, f"{r.tau:.2f}", f"{r.tokens_per_s_spec:.1f}",
+         _fmt(r.tokens_per_s_ar, ".1f"), "-" if r.speedup is None else f"{r.speedup:.2f}x",
+         f"{r.draft_ms_per_step:.1f}", f"{r.verify_ms_per_step:.1f}", _lossless(r.lossless)]
+        for name, rows in results.items() for r in rows]
     lines += ["", "#### Speed: speculative vs plain decoding of the same target", "",
-              "| variant | bench | T | g | tree M/N | prompts | new tokens | tau | tok/s spec "
-              "| tok/s AR | speedup | draft ms/step | verify ms/step | lossless |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for name, rows in results.items():
-        for r in rows:
-            lines.append(
-                f"| {name} | {r.bench} | {r.temperature:g} | {r.num_draft_tokens} | "
-                f"{'chain' if r.tree_paths <= 1 else f'{r.tree_paths}/{r.tree_nodes}'} | "
-                f"{r.num_prompts} | {r.new_tokens} | {r.tau:.2f} | {r.tokens_per_s_spec:.1f} | "
-                f"{_fmt(r.tokens_per_s_ar, '.1f')} | "
-                f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} | "
-                f"{r.draft_ms_per_step:.1f} | {r.verify_ms_per_step:.1f} | "
-                f"{_lossless(r.lossless)} |")
+              *markdown_table(["variant", "bench", "T", "g", "tree M/N", "prompts", "new tokens",
+                               "tau", "tok/s spec", "tok/s AR", "speedup", "draft ms/step",
+                               "verify ms/step", "lossless"], speed_rows,
+                              align="llrrrrrrrrrrrl")]
 
     width = max((len(r.per_position) for rows in results.values() for r in rows), default=0)
+    position_rows = [
+        [name, r.bench, f"{r.temperature:g}", *(f"{p:.2f}" for p in r.per_position),
+         *["-"] * (width - len(r.per_position))]
+        for name, rows in results.items() for r in rows]
     lines += ["", "#### Per-position acceptance (share of rounds accepting draft token k)", "",
-              "| variant | bench | T | " + " | ".join(str(k) for k in range(1, width + 1)) + " |",
-              "|---|---|---:|" + "---:|" * width]
-    for name, rows in results.items():
-        for r in rows:
-            cells = [f"{p:.2f}" for p in r.per_position] + ["-"] * (width - len(r.per_position))
-            lines.append(f"| {name} | {r.bench} | {r.temperature:g} | " + " | ".join(cells) + " |")
+              *markdown_table(["variant", "bench", "T", *range(1, width + 1)], position_rows,
+                              align="llr" + "r" * width)]
     return "\n".join(lines) + "\n"
 
 

@@ -33,13 +33,17 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
+from ..markdown_table import markdown_table
 from ..training.draft_step import DraftStep
 from ..training.target import TargetFeatureExtractor, TargetFeatures
+
+if TYPE_CHECKING:  # annotations only; the engine is loaded where one is built (`load_parity_pair`)
+    from ..engine import Engine
 
 FeatureFn = Callable[[torch.Tensor], TargetFeatures]
 
@@ -211,18 +215,17 @@ class ParityReport:
         if self.simulated_dataset_rows is not None:
             figures.append(self.simulated_dataset_rows)
         width = self.num_draft_tokens
+        rows = [[fig.name, fig.blocks, f"{fig.tau:.3f} ± {fig.tau_se:.3f}",
+                 *(f"{p:.3f} ± {s:.3f}" for p, s in zip(fig.per_position, fig.per_position_se))]
+                for fig in figures]
+        rows.append(["paired difference (engine - simulated, same anchors)", self.engine.blocks,
+                     f"{self.difference:+.3f} ± {self.difference_se:.3f}",
+                     *(f"{d:+.3f} ± {s:.3f}" for d, s in
+                       zip(self.per_position_difference, self.per_position_difference_se))])
         lines = ["#### Parity: engine vs the trainer's simulated evaluation (T=0)", "",
-                 "| figure | blocks | tau ± SE | " + " | ".join(f"k={k}" for k in range(1, width + 1))
-                 + " |", "|---|---:|---:|" + "---:|" * width]
-        for fig in figures:
-            cells = [f"{p:.3f} ± {s:.3f}" for p, s in zip(fig.per_position, fig.per_position_se)]
-            lines.append(f"| {fig.name} | {fig.blocks} | {fig.tau:.3f} ± {fig.tau_se:.3f} | "
-                         + " | ".join(cells) + " |")
-        cells = [f"{d:+.3f} ± {s:.3f}" for d, s in
-                 zip(self.per_position_difference, self.per_position_difference_se)]
-        lines.append(f"| paired difference (engine - simulated, same anchors) | "
-                     f"{self.engine.blocks} | {self.difference:+.3f} ± {self.difference_se:.3f} | "
-                     + " | ".join(cells) + " |")
+                 *markdown_table(["figure", "blocks", "tau ± SE",
+                                  *(f"k={k}" for k in range(1, width + 1))], rows,
+                                 align="lrr" + "r" * width)]
         reproduced = [r.reproduces_row for r in self.rows if r.reproduces_row is not None]
         lines += ["", f"rounds: {self.engine.blocks}; differing on the same anchor: "
                       f"{self.mismatched_rounds}; past the row's end (engine count clipped): "
@@ -338,7 +341,7 @@ def rows_from_dataset(input_ids: Sequence[Sequence[int]], loss_masks: Sequence[S
 
 
 @torch.no_grad()
-def run_parity(engine: Any, step: DraftStep, features: FeatureFn,
+def run_parity(engine: Engine, step: DraftStep, features: FeatureFn,
                rows: Sequence[ParityRowInput], *, max_new_tokens: int | None = None,
                num_draft_tokens: int | None = None) -> ParityReport:
     """The parity check of `rows` with a ready engine (its draft) and the same draft in
@@ -391,7 +394,7 @@ def run_parity(engine: Any, step: DraftStep, features: FeatureFn,
 
 def load_parity_pair(target: str | Path, draft: str | Path, *, device: str = "cpu",
                      dtype: torch.dtype = torch.float32, max_seq_len: int = 4096,
-                     ) -> tuple[Any, DraftStep, FeatureFn]:
+                     ) -> tuple[Engine, DraftStep, FeatureFn]:
     """The engine (as `Engine.from_pretrained` serves) and the trainer's evaluation pieces
     (HF target, the same exported draft, `DraftStep`) in `dtype` on `device`."""
     from transformers import AutoModelForCausalLM
