@@ -24,7 +24,7 @@ draft proposes at step 0 (zero writes leave every hidden state unchanged, so the
 transition-cache walk picks each slot's argmax). With the default causal attention the
 backbone runs under another mask than the one it was trained with, so its step-0 proposals
 differ from the DFlash draft's (slot t no longer sees the mask slots after it) until training
-adapts it. `tests/test_warm_start.py` checks both statements.
+adapts it. `tests/test_initialisation_from_dflash.py` checks both statements.
 """
 
 from __future__ import annotations
