@@ -5,16 +5,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from _engine_helpers import build_tiny_target, build_tokenizer, tiny_draft
 
 from dspine_train.engine.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
+from tests._train_helpers import run_module
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +75,7 @@ def test_cli_exits_non_zero_with_a_clear_message(files, capsys):
 def test_bench_script_prints_table_and_writes_json(files):
     out = files / "bench.json"
     cmd = [
-        sys.executable,
-        str(REPO / "scripts" / "bench_engine.py"),
+        "scripts/bench_engine.py",
         "--target",
         str(files / "target"),
         "--draft",
@@ -100,13 +95,8 @@ def test_bench_script_prints_table_and_writes_json(files):
         "--output",
         str(out),
     ]
-    done = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-    )
+    done = run_module(cmd)  # this checkout's packages, offline, one thread
+    assert done.returncode == 0, done.stderr
     assert "speedup" in done.stdout and "walk_vs_serial" in done.stdout
     report = json.loads(out.read_text())
     assert [(r["mode"], r["g"]) for r in report["runs"]] == [
@@ -157,15 +147,14 @@ def test_cli_tree_paths_verify_a_token_tree(files, capsys):
 def test_bench_script_compares_chain_and_trees(files):
     out = files / "bench_tree.json"
     cmd = [
-        sys.executable, str(REPO / "scripts" / "bench_engine.py"),
+        "scripts/bench_engine.py",
         "--target", str(files / "target"), "--draft", str(files / "draft"),
         "--prompts", str(files / "prompts.jsonl"), "--no-chat", "--max-new-tokens", "4",
         "--max-seq-len", "32", "--tree-paths", "1,2", "--tree-nodes", "9",
         "--tree-rounds", "1", "--skip-step-costs", "--output", str(out),
     ]
-    # The script imports this checkout's package (not whichever one is installed).
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    done = run_module(cmd)  # this checkout's packages, offline, one thread
+    assert done.returncode == 0, done.stderr
     assert "tok/s x" in done.stdout
     rows = json.loads(out.read_text())["tree_runs"]
     assert [(r["mode"], r["paths"], r["nodes"]) for r in rows] == [("chain", 1, 7), ("tree", 2, 9)]
