@@ -252,6 +252,6 @@ def test_hybrid_sampling_matches_the_target_distribution(tmp_path):
 
 
 def test_an_ngram_branch_that_does_not_fit_the_cache_is_refused_by_name(world):
-    engine = _engine(world, ngram=NgramConfig(num_tokens=100))
-    with pytest.raises(GenerationInputError, match=r"ngram tokens=100; CLI: .*--ngram-tokens"):
+    engine = _engine(world, ngram=NgramConfig(num_tokens=200))
+    with pytest.raises(GenerationInputError, match=r"ngram tokens=200; CLI: .*--ngram-tokens"):
         engine.generate([[1, 2, 3]], max_new_tokens=8, chat=False)
