@@ -249,3 +249,9 @@ def test_hybrid_sampling_matches_the_target_distribution(tmp_path):
     for position in range(3):
         pvalue = _chi_square_pvalue(tokens[:, position], exact[position])
         assert pvalue > 1e-3, (position, pvalue)
+
+
+def test_an_ngram_branch_that_does_not_fit_the_cache_is_refused_by_name(world):
+    engine = _engine(world, ngram=NgramConfig(num_tokens=200))
+    with pytest.raises(GenerationInputError, match=r"ngram tokens=200; CLI: .*--ngram-tokens"):
+        engine.generate([[1, 2, 3]], max_new_tokens=8, chat=False)

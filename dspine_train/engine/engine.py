@@ -466,9 +466,11 @@ class Engine:
         shapes: Sequence[RoundShape],
     ) -> None:
         """Reject a request the caches or settings cannot serve, before any forward."""
-        tree = (f"tree_paths={self.tree_paths}, tree_nodes={self.tree_nodes}, ngram tokens="
-                f"{self.ngram.num_tokens if self.ngram else 0}; CLI: --tree-paths / --tree-nodes "
-                "/ --ngram-tokens")
+        tree = f"tree_paths={self.tree_paths}, tree_nodes={self.tree_nodes}"
+        flags = "--tree-paths / --tree-nodes"
+        if self.ngram is not None:
+            tree, flags = f"{tree}, ngram tokens={self.ngram.num_tokens}", f"{flags} / --ngram-tokens"
+        tree = f"{tree}; CLI: {flags}"
         check_request(
             ids, max_new_tokens, temperature, top_p, stop, shapes,
             max_batch_size=self.max_batch_size, has_tokenizer=self.tokenizer is not None,
