@@ -414,7 +414,7 @@ class Engine:
                     shape, anchors, longest, proposals, sampler, timer
                 )
                 rows = self._reader.read(acc, drafted)
-                starts = [len(states[b].tokens) for b in range(len(ids))]
+                starts = [len(s.tokens) for s in states]  # where this round's tokens begin
                 for b in record_round(rows, states, committed, stats):
                     running[b] = False
                 if ledger is not None:

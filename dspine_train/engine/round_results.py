@@ -2,7 +2,8 @@
 
 `AcceptanceReader.read` brings a round's acceptance back in one transfer (the only host sync of
 a round); `record_round` commits the rows to the running sequences and the call's counters;
-`teach_planner` tells the round planner how far each proposal matched the target's tokens.
+`ProposalLedger` tells the round planner how far each proposal matched the tokens the sequences
+went on to commit.
 """
 
 from __future__ import annotations
@@ -29,11 +30,6 @@ class RoundRow:
     keep: int
     eos: bool
     drafted: list[int]
-
-    @property
-    def chosen(self) -> list[int]:
-        """The tokens the target chose this round: the accepted drafts and the bonus."""
-        return self.tokens[: self.num_accepted + 1]
 
 
 class AcceptanceReader:
