@@ -15,6 +15,7 @@ from _engine_helpers import (
 )
 
 from dspine_train.engine import Engine, load_target
+from dspine_train.engine.decode_loop import chain_round, round_of
 from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.sampling import Sampler
 from dspine_train.engine.stats import StepTimer
@@ -242,9 +243,9 @@ def test_tree_never_accepts_fewer_tokens_than_the_chain(world):
             prefix = row[:cut]
             anchor = torch.tensor(engine.generate([prefix], max_new_tokens=1, chat=False).token_ids[0])
             with torch.inference_mode():
-                chain_acc, _, _ = engine._round(anchor, cut, g, sampler, timer)
+                chain_acc, _, _ = chain_round(engine, anchor, cut, g, sampler, timer)
                 tree = engine.round_shapes(g)[-1]  # the tree of 4 paths in 12 nodes
-                tree_acc, _, _ = engine._round_of(tree, anchor, cut, None, sampler, timer)
+                tree_acc, _, _ = round_of(engine, tree, anchor, cut, None, sampler, timer)
             chain_counts.append(int(chain_acc.num_accepted))
             tree_counts.append(int(tree_acc.num_accepted))
     assert all(t >= c for t, c in zip(tree_counts, chain_counts, strict=True))

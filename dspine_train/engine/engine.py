@@ -21,56 +21,36 @@ the most expected tokens per second under measured costs (`engine.round_planner`
 The acceptance result is read to the host once per round (the only sync of a step): it decides
 stop strings, token budgets and the per-sequence bookkeeping. Plain decoding (`generate_ar`) is
 the same machinery with one token per step, and is the baseline speculative output must equal.
+
+This module holds the engine's state (target, draft, caches, compiled steps, settings); the loop
+that drives it through a call is `engine.decode_loop`, its warm-up `engine.warmup`.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dspine_train.chat_template import KWARGS_KEY, template_mismatch
-from dspine_train.engine.acceptance import (
-    Acceptance,
-    greedy_accept,
-    rejection_accept,
-)
 from dspine_train.engine.chain_draft import ChainDrafter
 from dspine_train.engine.cuda_graphs import StepCache
+from dspine_train.engine.decode_loop import GenerationResult, run
 from dspine_train.engine.errors import CheckpointError, GenerationInputError
-from dspine_train.engine.ngram import NgramConfig, NgramIndex, pack_proposals
-from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
-from dspine_train.engine.request_checks import check_request, tree_budget
-from dspine_train.engine.round_planner import RoundCosts, RoundPlanner, RoundShape, round_shapes
-from dspine_train.engine.round_results import AcceptanceReader, ProposalLedger, record_round
-from dspine_train.engine.sampling import Sampler, next_tokens, target_probs
-from dspine_train.engine.stats import GenerationStats, StepTimer
+from dspine_train.engine.ngram import NgramConfig
+from dspine_train.engine.prompts import Prompts
+from dspine_train.engine.request_checks import tree_budget
+from dspine_train.engine.round_planner import RoundCosts, RoundShape, round_shapes
+from dspine_train.engine.round_results import AcceptanceReader
 from dspine_train.engine.target_files import eos_token_ids, load_tokenizer
 from dspine_train.engine.target_model import TargetModel
 from dspine_train.engine.tree_verify import TreeVerifier
 from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
 from dspine_train.engine.warmup import calibrate, warm_up
 from dspine_train.engine.weights import load_target
-
-
-@dataclass
-class GenerationResult:
-    """Output of `Engine.generate` / `Engine.generate_ar`, one entry per prompt.
-
-    `token_ids` are the new tokens only (an EOS that ended a sequence is included, as in HF
-    `generate`); `finish_reasons` are "eos", "stop" or "length"; `texts` is None without a
-    tokenizer.
-    """
-
-    token_ids: list[list[int]]
-    texts: list[str] | None
-    finish_reasons: list[str]
-    stats: GenerationStats
 
 
 class Engine:
@@ -247,7 +227,7 @@ class Engine:
                 "this engine has no draft and no n-gram candidates (CLI: --ngram); use "
                 "generate_ar")
         g = self._num_draft_tokens(num_draft_tokens)
-        return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, g, seed, True)
+        return run(self, prompts, max_new_tokens, temperature, top_p, chat, stop, g, seed, True)
 
     def generate_ar(
         self,
@@ -261,7 +241,7 @@ class Engine:
         seed: int = 0,
     ) -> GenerationResult:
         """Plain autoregressive decoding with the same target and caches (the baseline)."""
-        return self._run(prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed, False)
+        return run(self, prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed, False)
 
     def _num_draft_tokens(self, num_draft_tokens: int | None) -> int:
         """g: the draft tokens verified per round (0 without a draft)."""
@@ -341,237 +321,9 @@ class Engine:
         (batch, g)); see `engine.warmup.calibrate`."""
         return calibrate(self, batch, num_draft_tokens, repeats)
 
-
-    # ------------------------------------------------------------------ the loop
-    def _run(
-        self,
-        prompts: Prompts,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        chat: bool,
-        stop: Sequence[str],
-        num_draft_tokens: int,
-        seed: int,
-        speculative: bool,
-    ) -> GenerationResult:
-        ids = encode_prompts(
-            prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size,
-            chat_template_kwargs=self.chat_template_kwargs,
-        )
-        shapes = self.round_shapes(num_draft_tokens) if speculative else []
-        self._check_request(ids, max_new_tokens, temperature, top_p, stop, shapes)
-        with_draft = self.draft is not None and speculative
-        stats = GenerationStats(mode="speculative" if speculative else "autoregressive")
-        stats.num_sequences, stats.prompt_tokens = len(ids), sum(len(p) for p in ids)
-        stats.accepted_at = [0] * max((self._depth(s) for s in shapes), default=0)
-        stats.round_accepted = [[] for _ in ids]
-        tree_nodes = self._tree_budget(num_draft_tokens) if with_draft else None
-        if tree_nodes is not None:
-            stats.tree_paths, stats.tree_nodes = self.tree_paths, tree_nodes
-        planner = None
-        if shapes:
-            costs = None
-            if self.adaptive and len(shapes) > 1:  # measured once per (batch, g), untimed
-                costs = self.calibrate(len(ids), num_draft_tokens)
-            planner = RoundPlanner(shapes, costs, self.adaptive)
-        ledger = ProposalLedger(planner, len(ids)) if planner and planner.adaptive else None
-        sampler = Sampler(temperature, top_p, torch.Generator(self.device).manual_seed(seed))
-        timer = StepTimer(self.device)
-        states = [SequenceState(max_new_tokens, stop, self.tokenizer) for _ in ids]
-        capture_before = self._capture_seconds()
-        start = time.perf_counter()
-
-        with torch.inference_mode():
-            with timer.section("prefill"):
-                anchors = self._prefill(ids, sampler, with_draft=with_draft)
-            first = anchors.tolist()  # deliberate sync: the first token decides EOS/stop/budget
-            running = self._running[: len(ids)]
-            running.fill_(True)
-            for b, (state, token) in enumerate(zip(states, first, strict=True)):
-                state.extend([token], ends_with_eos=token in self.eos_token_ids)
-                if state.done:
-                    running[b] = False  # a scalar fill: no host-to-device copy
-            self._active[: len(ids)].copy_(running)
-            committed = [len(p) for p in ids]  # host mirror of the target cache lengths
-            indexes = None
-            if self.ngram is not None and speculative:
-                indexes = [NgramIndex(self.ngram, p + s.tokens) for p, s in zip(ids, states)]
-
-            while not all(s.done for s in states):
-                live = [b for b, s in enumerate(states) if not s.done]
-                longest = max(committed[b] for b in live)
-                proposals = None
-                if indexes is not None:
-                    found = time.perf_counter()
-                    proposals = [([], 0) if states[b].done else index.propose()
-                                 for b, index in enumerate(indexes)]
-                    stats.ngram_s += time.perf_counter() - found
-                shape = RoundShape("plain", 0)
-                if planner is not None:
-                    shape = planner.choose([proposals[b][1] if proposals else 0 for b in live])
-                acc, features, drafted = self._round_of(
-                    shape, anchors, longest, proposals, sampler, timer
-                )
-                rows = self._reader.read(acc, drafted)
-                starts = [len(s.tokens) for s in states]  # where this round's tokens begin
-                for b in record_round(rows, states, committed, stats):
-                    running[b] = False
-                if ledger is not None:
-                    for b in live:
-                        if proposals is not None and proposals[b][1] > 0:
-                            ledger.propose(b, starts[b], "ngram", proposals[b][1], proposals[b][0])
-                        if drafted is not None:
-                            ledger.propose(b, starts[b], "draft", 0, rows[b].drafted)
-                        ledger.settle(b, states[b])
-                if indexes is not None:
-                    for b in live:
-                        seen = len(indexes[b].tokens) - len(ids[b])
-                        indexes[b].extend(states[b].tokens[seen:])
-                stats.steps += 1
-                # Commit on the device: the anchor and the accepted drafts now have valid target
-                # K/V and features; the rejected tail is dropped by not counting it. Rows that
-                # are done go back to length 0 so their idle writes stay inside the caches.
-                commit_inputs = (acc.num_accepted, features) if with_draft else (acc.num_accepted,)
-                self._commit_step.prepare(*commit_inputs)
-                self._commit_step(*commit_inputs)
-                anchors = acc.tokens.gather(1, acc.num_accepted[:, None]).squeeze(1)
-
-            times = timer.totals()
-        stats.capture_s = self._capture_seconds() - capture_before
-        stats.total_s = time.perf_counter() - start - stats.capture_s
-        stats.prefill_s = times.get("prefill", 0.0)
-        stats.draft_s = times.get("draft", 0.0)
-        stats.verify_s = times.get("verify", 0.0)
-        stats.new_tokens = sum(len(s.tokens) for s in states)
-        if planner is not None:
-            stats.round_shapes = dict(planner.chosen)
-        texts = None
-        if self.tokenizer is not None:
-            texts = [self.tokenizer.decode(s.tokens, skip_special_tokens=True) for s in states]
-        return GenerationResult(
-            token_ids=[s.tokens for s in states],
-            texts=texts,
-            finish_reasons=[s.finish_reason or "length" for s in states],
-            stats=stats,
-        )
-
-    def _check_request(
-        self,
-        ids: list[list[int]],
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop: Sequence[str],
-        shapes: Sequence[RoundShape],
-    ) -> None:
-        """Reject a request the caches or settings cannot serve, before any forward."""
-        tree = f"tree_paths={self.tree_paths}, tree_nodes={self.tree_nodes}"
-        flags = "--tree-paths / --tree-nodes"
-        if self.ngram is not None:
-            tree, flags = f"{tree}, ngram tokens={self.ngram.num_tokens}", f"{flags} / --ngram-tokens"
-        tree = f"{tree}; CLI: {flags}"
-        check_request(
-            ids, max_new_tokens, temperature, top_p, stop, shapes,
-            max_batch_size=self.max_batch_size, has_tokenizer=self.tokenizer is not None,
-            max_seq_len=self.max_seq_len,
-            positions=self.target.config.max_position_embeddings, tree=tree,
-        )
-
-
-    def _prefill(self, ids: list[list[int]], sampler: Sampler, with_draft: bool) -> torch.Tensor:
-        """Run the prompts (right-padded), commit them, return the first new token `(B,)`."""
-        batch, longest = len(ids), max(len(p) for p in ids)
-        lengths = torch.tensor([len(p) for p in ids], device=self.device)
-        # Right-padded (B, longest); the padding lands past each committed length.
-        padded = torch.tensor([p + [0] * (longest - len(p)) for p in ids], device=self.device)
-        self.target.cache.reset(batch)
-        out = self.target(padded, kv_len=longest, prefill=True)  # lengths are all 0 after reset
-        last = out.hidden[torch.arange(batch, device=self.device), lengths - 1]  # (B, H)
-        first = next_tokens(
-            self.target.logits(last), sampler.temperature, sampler.top_p, sampler.generator
-        )
-        self.target.cache.crop(lengths)
-        if with_draft:
-            self.draft_cache = self._draft_cache_for(batch)
-            self.draft.crop_context(self.draft_cache, torch.zeros_like(lengths))
-            self.draft.append_context(self.draft_cache, out.features, lengths)
-        return first
-
     def _is_tree_round(self, shape: RoundShape) -> bool:
         """Whether a `shape` round verifies a token tree (else a chain block)."""
         return shape.ngram or shape.name == "tree"
-
-    def _round_of(
-        self,
-        shape: RoundShape,
-        anchors: torch.Tensor,
-        longest: int,
-        proposals: list[tuple[list[int], int]] | None,
-        sampler: Sampler,
-        timer: StepTimer,
-    ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
-        """One round of `shape`: the `Acceptance`, the accepted tokens' features (None
-        without a draft) and the draft's chain tokens `(B, g)` (None where it did not run)."""
-        if not self._is_tree_round(shape):
-            return self._round(anchors, longest, shape.draft_depth, sampler, timer)
-        ngram = None
-        if shape.ngram:
-            assert proposals is not None and self.ngram is not None
-            ngram = pack_proposals([p for p, _ in proposals], self.ngram.num_tokens, self.device)
-        budget = dict(paths=self.tree_paths, nodes=shape.nodes, depth=shape.draft_depth)
-        acc, features, tree_tokens = self._tree.run_round(
-            anchors,
-            budget,
-            self._bucket(longest + self.block_size, self._draft_capacity()),
-            self._bucket(longest + shape.nodes + 1, self.max_seq_len),
-            (sampler.temperature, sampler.top_p, sampler.generator, sampler.scale),
-            timer,
-            ngram,
-        )
-        drafted = tree_tokens[:, 1 : shape.draft_depth + 1] if shape.drafts else None
-        return acc, features, drafted
-
-    def _round(
-        self,
-        anchors: torch.Tensor,
-        longest: int,
-        num_draft_tokens: int,
-        sampler: Sampler,
-        timer: StepTimer,
-    ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
-        """Draft (if g > 0), verify `[anchor, d_1..d_g]`, accept. Plain decoding is g = 0.
-
-        `longest` is the longest committed length of the rows still running (the others sit at
-        length 0); it picks the kv buckets of both steps. Returns as `_round_of`.
-        """
-        draft_tokens = anchors[:, None][:, :0]  # (B, 0)
-        draft_q = candidates = None
-        if num_draft_tokens > 0:
-            draft_kv = self._bucket(longest + self.block_size, self._draft_capacity())
-            step, inputs = self._chain.step_inputs(anchors, sampler)
-            step.prepare(*inputs, kv_len=draft_kv)  # capture outside the timing
-            with timer.section("draft"):
-                draft_tokens, draft_q, candidates = self._chain.propose(
-                    step, inputs, num_draft_tokens, draft_kv
-                )
-        block = torch.cat([anchors[:, None], draft_tokens], dim=1)  # (B, g + 1)
-        kv_len = self._bucket(longest + block.shape[1], self.max_seq_len)
-        self._target_step.prepare(block, kv_len=kv_len)
-        with timer.section("verify"):
-            features, logits = self._target_step(block, kv_len=kv_len)
-        drafted = draft_tokens if num_draft_tokens > 0 else None
-        if sampler.temperature <= 0.0:
-            return greedy_accept(draft_tokens, logits), features, drafted
-        probs = target_probs(logits, sampler.temperature, sampler.top_p)
-        if draft_q is None:
-            # Plain sampling is rejection sampling with nothing drafted: the bonus is a draw from p.
-            draft_q = probs[:, :0, :1]
-            candidates = draft_tokens[:, :, None]  # (B, 0, 1)
-        accept = rejection_accept(
-            draft_tokens, draft_q, probs, sampler.generator, candidates=candidates
-        )
-        return accept, features, drafted
 
     # ------------------------------------------------------------------ steps (compiled, graphed)
     def _target_forward(

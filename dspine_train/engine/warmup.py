@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dspine_train.engine.decode_loop import round_of
 from dspine_train.engine.request_checks import check_sampling, check_warmup
 from dspine_train.engine.round_planner import RoundCosts
 from dspine_train.engine.sampling import Sampler
@@ -127,7 +128,7 @@ def calibrate(engine: Engine, batch: int, num_draft_tokens: int, repeats: int = 
         anchors = torch.zeros(batch, dtype=torch.long, device=engine.device)
         for shape in shapes:
             def one_round(shape=shape):
-                engine._round_of(shape, anchors, 1, proposals, sampler, timer)
+                round_of(engine, shape, anchors, 1, proposals, sampler, timer)
 
             one_round()  # untimed: compiles and captures on CUDA
             seconds[shape.name] = median_ms(one_round, engine.device, repeats) / 1e3
