@@ -19,6 +19,7 @@ from dspine_train.engine.round_planner import (
     RoundCosts,
     RoundPlanner,
     RoundShape,
+    round_shapes,
 )
 from dspine_train.engine.round_results import ProposalLedger
 from dspine_train.engine.token_tree import hybrid_tree
@@ -98,6 +99,18 @@ def _planner(seconds: dict[str, float]) -> RoundPlanner:
     shapes = [RoundShape("plain", 0), RoundShape("ngram", 7, 0, ngram=True),
               RoundShape("chain", 7, 7), RoundShape("hybrid", 14, 7, ngram=True)]
     return RoundPlanner(shapes, RoundCosts(seconds, 1), adaptive=True, explore_every=1000)
+
+
+@pytest.mark.parametrize("tree_nodes", [None, 12])
+def test_round_shapes_say_which_rounds_verify_a_tree(tree_nodes):
+    """A plain step and the draft's chain verify a chain block; the n-gram branch (alone or
+    merged into the draft's part) and the draft's tree of its top paths verify a token tree."""
+    shapes = {s.name: s for s in round_shapes(7, 7, tree_nodes)}
+    draft = "chain" if tree_nodes is None else "tree"
+    assert list(shapes) == ["plain", "ngram", draft, "hybrid"]
+    assert {name: s.tree for name, s in shapes.items()} == {
+        "plain": False, "ngram": True, draft: tree_nodes is not None, "hybrid": True}
+    assert [s.tree for s in round_shapes(None, 7, tree_nodes)] == [False, tree_nodes is not None]
 
 
 def test_planner_falls_back_to_plain_steps_when_drafting_does_not_pay():

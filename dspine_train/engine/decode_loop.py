@@ -218,7 +218,7 @@ def round_of(
 ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
     """One round of `shape`: the `Acceptance`, the accepted tokens' features (None
     without a draft) and the draft's chain tokens `(B, g)` (None where it did not run)."""
-    if not engine._is_tree_round(shape):
+    if not shape.tree:
         return chain_round(engine, anchors, longest, shape.draft_depth, sampler, timer)
     ngram = None
     if shape.ngram:

@@ -321,10 +321,6 @@ class Engine:
         (batch, g)); see `engine.warmup.calibrate`."""
         return calibrate(self, batch, num_draft_tokens, repeats)
 
-    def _is_tree_round(self, shape: RoundShape) -> bool:
-        """Whether a `shape` round verifies a token tree (else a chain block)."""
-        return shape.ngram or shape.name == "tree"
-
     # ------------------------------------------------------------------ steps (compiled, graphed)
     def _target_forward(
         self, block: torch.Tensor, kv_len: int

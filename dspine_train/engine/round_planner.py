@@ -36,16 +36,24 @@ PRIOR_WEIGHT = 2.0
 class RoundShape:
     """One kind of round: `draft_depth` drafted tokens per path (0: the draft does not run),
     `ngram` whether the n-gram branch is merged in, `nodes` the verified nodes (the root not
-    counted; 0 is a plain decoding step)."""
+    counted; 0 is a plain decoding step), `draft_tree` whether the draft's part is a tree of
+    its top paths rather than its chain."""
 
     name: str
     nodes: int
     draft_depth: int = 0
     ngram: bool = False
+    draft_tree: bool = False
 
     @property
     def drafts(self) -> bool:
         return self.draft_depth > 0
+
+    @property
+    def tree(self) -> bool:
+        """Whether the round verifies a token tree (`engine.tree_verify`) rather than a chain
+        block: the draft's tree, or any round with the n-gram branch merged in."""
+        return self.ngram or self.draft_tree
 
 
 def round_shapes(
@@ -60,10 +68,12 @@ def round_shapes(
         shapes.append(RoundShape("ngram", ngram_tokens, 0, ngram=True))
     if num_draft_tokens > 0:
         draft_nodes = tree_nodes or num_draft_tokens
-        name = "chain" if tree_nodes is None else "tree"
-        shapes.append(RoundShape(name, draft_nodes, num_draft_tokens))
+        drafted_tree = tree_nodes is not None
+        name = "tree" if drafted_tree else "chain"
+        shapes.append(RoundShape(name, draft_nodes, num_draft_tokens, draft_tree=drafted_tree))
         if ngram_tokens is not None:
-            shapes.append(RoundShape("hybrid", draft_nodes + ngram_tokens, num_draft_tokens, True))
+            shapes.append(RoundShape("hybrid", draft_nodes + ngram_tokens, num_draft_tokens,
+                                     ngram=True, draft_tree=drafted_tree))
     return shapes
 
 

@@ -86,7 +86,7 @@ def warm_up(
                             step(*inputs, kv_len=kv)
             for g in gs:
                 for shape in engine.round_shapes(g):
-                    if not engine._is_tree_round(shape):
+                    if not shape.tree:
                         continue
                     fits = [b for b in buckets if b >= shape.nodes + 1] or [engine.max_seq_len]
                     budget = dict(
