@@ -131,16 +131,16 @@ def test_the_sampling_draft_is_a_compiled_step_with_a_sparse_q(world, monkeypatc
     """At T > 0 the draft runs as its own compiled step (fullgraph, strict: a pure function of
     tensors, its randomness drawn ahead), draws what the eager step draws, and hands the
     acceptance a q over the K candidates of each slot, not a dense (B, g, V) one."""
-    import dspine_train.engine.engine as engine_module
+    import dspine_train.engine.decode_loop as loop_module
 
     shapes = []
-    accept = engine_module.rejection_accept
+    accept = loop_module.rejection_accept
 
     def spy(draft_tokens, draft_probs, *args, **kwargs):
         shapes.append((tuple(draft_probs.shape), tuple(kwargs["candidates"].shape)))
         return accept(draft_tokens, draft_probs, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "rejection_accept", spy)
+    monkeypatch.setattr(loop_module, "rejection_accept", spy)
     settings = dict(max_new_tokens=NEW, chat=False, temperature=0.8, top_p=0.9, seed=3,
                     num_draft_tokens=3)
     eager = _engine(world, max_batch_size=2).generate(PROMPTS[:2], **settings)
