@@ -1,4 +1,5 @@
-"""Shared builders for the engine tests: tiny random targets, a tokenizer, drafts."""
+"""Shared builders for the engine tests: tiny random targets, a tokenizer, drafts, and the
+scaffolding of the sampling tests (samples against the target's exact marginals)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from scipy.stats import chisquare
 
 from dspine_train.training.tiny_assets import TINY_SHAPE
 from scripts.tools.bench.oracle_draft import OracleContext, OracleDraft
@@ -136,3 +138,84 @@ def train_draft_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr
     from scripts.tools.gpu_check.models import train_draft_briefly as train
 
     return train(draft, hf_model, sequences, steps, lr)
+
+
+# ----------------------------------------------------------------------------- sampling tests
+SAMPLED_TOKENS = 3  # new tokens per sampled row: their exact marginals sum over vocab**2 prefixes
+SAMPLING_SEEDS = 4  # calls per check, each with its own seed
+
+
+def exact_marginals(hf, prompt: list[int], vocab: int, steps: int) -> list[torch.Tensor]:
+    """Exact marginal distributions of the first `steps` sampled tokens (temperature 1)."""
+    with torch.no_grad():
+        prefixes = torch.tensor([prompt])
+        weights = torch.ones(1, dtype=torch.float64)
+        marginals = []
+        for _ in range(steps):
+            probs = torch.softmax(hf(prefixes).logits[:, -1].double(), dim=-1)  # (N, V)
+            joint = weights[:, None] * probs  # (N, V): P(prefix, next)
+            marginals.append(joint.sum(0))
+            # Every prefix extended by every token: (N, V) -> (N * V) prefixes.
+            prefixes = torch.cat(
+                [
+                    prefixes.repeat_interleave(vocab, 0),
+                    torch.arange(vocab).repeat(prefixes.shape[0])[:, None],
+                ],
+                dim=1,
+            )
+            weights = joint.reshape(-1)
+        return marginals
+
+
+def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square p-value of token `samples` under the distribution `probs`."""
+    counts = torch.bincount(samples, minlength=probs.shape[0]).double()
+    expected = probs * samples.numel()
+    big = expected >= 5  # pool the rare tokens into one bin
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    return float(chisquare(observed[keep], expected[keep]).pvalue)
+
+
+def sample_rows(
+    engine, prompt: list[int], rows: int, method: str = "generate"
+) -> tuple[torch.Tensor, list]:
+    """`rows` copies of `prompt` sampled at temperature 1 by `engine.<method>`, once per seed:
+    the new tokens `(SAMPLING_SEEDS * rows, SAMPLED_TOKENS)` and each call's result."""
+    results = [
+        getattr(engine, method)(
+            [prompt] * rows, max_new_tokens=SAMPLED_TOKENS, temperature=1.0, seed=seed
+        )
+        for seed in range(SAMPLING_SEEDS)
+    ]
+    return torch.cat([torch.tensor(r.token_ids) for r in results]), results
+
+
+def assert_sampled_like(tokens: torch.Tensor, exact: list[torch.Tensor], *label) -> None:
+    """Each position of `tokens` (samples, positions) passes a chi-square test against its exact
+    marginal (p > 1e-3); `label` names the case in the failure."""
+    for position, probs in enumerate(exact):
+        pvalue = chi_square_pvalue(tokens[:, position], probs)
+        assert pvalue > 1e-3, (*label, position, pvalue)
+
+
+def sampling_engine(root: Path, prompt: list[int], rows: int, **engine_kwargs):
+    """The tree and n-gram sampling tests' setup: a peaked 32-token target (4 layers, no EOS)
+    and an untrained draft saved under `root`, the exact marginals of `prompt`'s first sampled
+    tokens, and an `Engine` over both for `rows` sequences (`engine_kwargs`: its tree / n-gram
+    settings). Returns (engine, marginals)."""
+    from dspine_train.engine import Engine
+
+    vocab = 32
+    hf = build_tiny_target(
+        root / "target", "qwen3", head_scale=6.0, vocab_size=vocab, num_hidden_layers=4,
+        eos_token_id=None,
+    )
+    tiny_draft(hf, 30, transfer_dim=8, message_size=8).save_pretrained(root / "draft")
+    exact = exact_marginals(hf, prompt, vocab, steps=SAMPLED_TOKENS)
+    engine = Engine.from_pretrained(
+        root / "target", root / "draft", max_batch_size=rows, max_seq_len=40, eos_token_ids=[],
+        **engine_kwargs,
+    )
+    return engine, exact

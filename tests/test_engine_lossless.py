@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 from _engine_helpers import (
+    SAMPLED_TOKENS,
     FeatureRecordingOracle,
+    assert_sampled_like,
     build_tiny_target,
     build_tokenizer,
+    exact_marginals,
     hf_features,
     hf_greedy,
+    sample_rows,
     tiny_draft,
     train_draft_briefly,
 )
-from scipy.stats import chisquare
 
 from dspine_train.engine import Engine, load_target
 from scripts.tools.bench.oracle_draft import OracleDraft, OracleDraftConfig
@@ -211,38 +214,6 @@ def test_stop_string_ends_the_sequence_at_its_token(world):
     assert result.finish_reasons == ["stop"] and stop in result.texts[0]
 
 
-def _exact_marginals(hf, prompt: list[int], vocab: int, steps: int) -> list[torch.Tensor]:
-    """Exact marginal distributions of the first `steps` sampled tokens (temperature 1)."""
-    with torch.no_grad():
-        prefixes = torch.tensor([prompt])
-        weights = torch.ones(1, dtype=torch.float64)
-        marginals = []
-        for _ in range(steps):
-            probs = torch.softmax(hf(prefixes).logits[:, -1].double(), dim=-1)  # (N, V)
-            joint = weights[:, None] * probs  # (N, V): P(prefix, next)
-            marginals.append(joint.sum(0))
-            # Every prefix extended by every token: (N, V) -> (N * V) prefixes.
-            prefixes = torch.cat(
-                [
-                    prefixes.repeat_interleave(vocab, 0),
-                    torch.arange(vocab).repeat(prefixes.shape[0])[:, None],
-                ],
-                dim=1,
-            )
-            weights = joint.reshape(-1)
-        return marginals
-
-
-def _chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    counts = torch.bincount(samples, minlength=probs.shape[0]).double()
-    expected = probs * samples.numel()
-    big = expected >= 5  # pool the rare tokens into one bin
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    expected = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = expected > 0
-    return float(chisquare(observed[keep], expected[keep]).pvalue)
-
-
 @pytest.mark.parametrize("transition_cache", [True, False])
 def test_sampling_matches_the_target_distribution(tmp_path, transition_cache):
     """First three sampled tokens over many seeded rows vs the target's exact marginals (the
@@ -258,7 +229,7 @@ def test_sampling_matches_the_target_distribution(tmp_path, transition_cache):
     )
     tiny_draft(hf, 30, transfer_dim=8, message_size=8,
                transition_cache=transition_cache).save_pretrained(tmp_path / "draft")
-    exact = _exact_marginals(hf, prompt, vocab, steps=3)
+    exact = exact_marginals(hf, prompt, vocab, steps=SAMPLED_TOKENS)
     engine = Engine.from_pretrained(
         tmp_path / "target",
         tmp_path / "draft",
@@ -267,19 +238,11 @@ def test_sampling_matches_the_target_distribution(tmp_path, transition_cache):
         eos_token_ids=[],
     )
     for method in ("generate", "generate_ar"):
-        samples = []
-        for seed in range(4):
-            result = getattr(engine, method)(
-                [prompt] * rows, max_new_tokens=3, temperature=1.0, seed=seed
-            )
-            samples.append(torch.tensor(result.token_ids))
-        tokens = torch.cat(samples)  # (4 * rows, 3)
-        for position in range(3):
-            pvalue = _chi_square_pvalue(tokens[:, position], exact[position])
-            assert pvalue > 1e-3, (method, position, pvalue)
+        tokens, results = sample_rows(engine, prompt, rows, method)  # (4 * rows, 3)
+        assert_sampled_like(tokens, exact, method)
         if method == "generate":
             # Some drafts were accepted and some rejected: both branches shaped the samples.
-            assert 1.0 < result.stats.tau < 3.0
+            assert 1.0 < results[-1].stats.tau < 3.0
 
 
 def test_draft_context_holds_the_target_features_of_every_committed_position(world):

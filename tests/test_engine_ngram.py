@@ -6,7 +6,15 @@ import random
 
 import pytest
 import torch
-from _engine_helpers import build_tiny_target, hf_greedy, tiny_draft, train_draft_briefly
+from _engine_helpers import (
+    assert_sampled_like,
+    build_tiny_target,
+    hf_greedy,
+    sample_rows,
+    sampling_engine,
+    tiny_draft,
+    train_draft_briefly,
+)
 from test_engine_tree import _reference_tree
 
 from dspine_train.engine import Engine
@@ -240,28 +248,14 @@ def test_adaptive_engine_measures_its_rounds(world):
 
 def test_hybrid_sampling_matches_the_target_distribution(tmp_path):
     """First three sampled tokens with hybrid trees vs the target's exact marginals."""
-    from test_engine_lossless import _chi_square_pvalue, _exact_marginals
-
-    vocab, prompt, rows = 32, [3, 17, 8, 3, 17, 8, 25, 3], 500
-    hf = build_tiny_target(
-        tmp_path / "target", "qwen3", head_scale=6.0, vocab_size=vocab, num_hidden_layers=4,
-        eos_token_id=None,
+    prompt, rows = [3, 17, 8, 3, 17, 8, 25, 3], 500
+    engine, exact = sampling_engine(
+        tmp_path, prompt, rows, tree_paths=2, ngram=NgramConfig(max_n=2, min_n=1, num_tokens=3)
     )
-    tiny_draft(hf, 30, transfer_dim=8, message_size=8).save_pretrained(tmp_path / "draft")
-    exact = _exact_marginals(hf, prompt, vocab, steps=3)
-    engine = Engine.from_pretrained(
-        tmp_path / "target", tmp_path / "draft", max_batch_size=rows, max_seq_len=40,
-        eos_token_ids=[], tree_paths=2, ngram=NgramConfig(max_n=2, min_n=1, num_tokens=3),
-    )
-    samples = []
-    for seed in range(4):
-        result = engine.generate([prompt] * rows, max_new_tokens=3, temperature=1.0, seed=seed)
-        samples.append(torch.tensor(result.token_ids))
+    tokens, results = sample_rows(engine, prompt, rows)
+    for result in results:
         assert result.stats.round_shapes.get("hybrid", 0) == result.stats.steps
-    tokens = torch.cat(samples)
-    for position in range(3):
-        pvalue = _chi_square_pvalue(tokens[:, position], exact[position])
-        assert pvalue > 1e-3, (position, pvalue)
+    assert_sampled_like(tokens, exact)
 
 
 def test_an_ngram_branch_that_does_not_fit_the_cache_is_refused_by_name(world):

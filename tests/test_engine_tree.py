@@ -7,9 +7,12 @@ import itertools
 import pytest
 import torch
 from _engine_helpers import (
+    assert_sampled_like,
     build_tiny_target,
     build_tokenizer,
     hf_greedy,
+    sample_rows,
+    sampling_engine,
     tiny_draft,
     train_draft_briefly,
 )
@@ -255,31 +258,14 @@ def test_tree_never_accepts_fewer_tokens_than_the_chain(world):
 def test_tree_sampling_matches_the_target_distribution(tmp_path):
     """First three tokens sampled with tree verification vs the target's exact marginals (the
     chain's test in test_engine_lossless, with trees)."""
-    from test_engine_lossless import _chi_square_pvalue, _exact_marginals
-
-    vocab, prompt, rows = 32, [3, 17, 8, 25], 500
-    hf = build_tiny_target(
-        tmp_path / "target", "qwen3", head_scale=6.0, vocab_size=vocab, num_hidden_layers=4,
-        eos_token_id=None,
-    )
-    tiny_draft(hf, 30, transfer_dim=8, message_size=8).save_pretrained(tmp_path / "draft")
-    exact = _exact_marginals(hf, prompt, vocab, steps=3)
-    engine = Engine.from_pretrained(
-        tmp_path / "target", tmp_path / "draft", max_batch_size=rows, max_seq_len=40,
-        eos_token_ids=[], tree_paths=4, tree_nodes=12,
-    )
-    samples, taus = [], []
-    for seed in range(4):
-        result = engine.generate([prompt] * rows, max_new_tokens=3, temperature=1.0, seed=seed)
-        samples.append(torch.tensor(result.token_ids))
-        taus.append(result.stats.tau)
+    prompt, rows = [3, 17, 8, 25], 500
+    engine, exact = sampling_engine(tmp_path, prompt, rows, tree_paths=4, tree_nodes=12)
+    tokens, results = sample_rows(engine, prompt, rows)
+    for result in results:
         assert result.stats.tree_paths == 4 and result.stats.tree_nodes == 12
-    tokens = torch.cat(samples)  # (4 * rows, 3)
-    for position in range(3):
-        pvalue = _chi_square_pvalue(tokens[:, position], exact[position])
-        assert pvalue > 1e-3, (position, pvalue)
+    assert_sampled_like(tokens, exact)
     # Some tree nodes were accepted and some not: both branches shaped the samples.
-    assert all(1.0 < tau < 3.0 for tau in taus)
+    assert all(1.0 < result.stats.tau < 3.0 for result in results)
 
 
 def test_sampled_tree_accept_draws_the_target_token_at_each_node():

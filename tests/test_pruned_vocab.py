@@ -31,15 +31,18 @@ from dspine_train.training.draft_vocab import (
 )
 from dspine_train.vocab_loss import target_topk
 from tests._engine_helpers import (
+    SAMPLED_TOKENS,
+    assert_sampled_like,
     build_tiny_target,
     build_tokenizer,
+    exact_marginals,
     hf_greedy,
+    sample_rows,
     tiny_draft,
     train_draft_briefly,
 )
 from tests._model_helpers import context_features, randomise_injection, tiny_target
 from tests._model_helpers import tiny_draft as model_draft
-from tests.test_engine_lossless import _chi_square_pvalue, _exact_marginals
 
 
 def test_selection_keeps_the_most_frequent_supervised_tokens_and_the_template_tokens():
@@ -227,21 +230,15 @@ def test_sampling_with_a_pruned_draft_matches_the_target_distribution(tmp_path):
     hf = build_tiny_target(tmp_path / "target", "qwen3", head_scale=6.0, vocab_size=vocab,
                            num_hidden_layers=6, eos_token_id=None)
     draft = tiny_draft(hf, 30, transfer_dim=8, message_size=8, draft_vocab_size=20)
-    exact = _exact_marginals(hf, prompt, vocab, steps=3)
+    exact = exact_marginals(hf, prompt, vocab, steps=SAMPLED_TOKENS)
     likely = torch.stack(exact).sum(0).argsort(descending=True)
     draft.set_draft_vocab(likely[:20])  # 20 of 32 ids: the rest only by the residual
     draft.save_pretrained(tmp_path / "draft")
     engine = Engine.from_pretrained(tmp_path / "target", tmp_path / "draft",
                                     max_batch_size=rows, max_seq_len=16, eos_token_ids=[])
-    samples = []
-    for seed in range(4):
-        result = engine.generate([prompt] * rows, max_new_tokens=3, temperature=1.0, seed=seed)
-        samples.append(torch.tensor(result.token_ids))
-    tokens = torch.cat(samples)
-    for position in range(3):
-        pvalue = _chi_square_pvalue(tokens[:, position], exact[position])
-        assert pvalue > 1e-3, (position, pvalue)
-    assert 1.0 < result.stats.tau < 3.0
+    tokens, results = sample_rows(engine, prompt, rows)
+    assert_sampled_like(tokens, exact)
+    assert 1.0 < results[-1].stats.tau < 3.0
     outside = ~torch.isin(tokens, likely[:20])
     assert outside.any()  # tokens outside the draft's vocabulary were sampled (residual)
 
