@@ -133,3 +133,48 @@ def test_rows_compare_each_mode_with_its_own_plain_decoding():
     chain = rows["DSpine chain"]
     assert chain.speedup == pytest.approx(1.5) and chain.speedup_vs_hf_plain == pytest.approx(3.0)
     assert chain.lossless is False and chain.first_difference == [0, 2]
+
+
+def test_a_rerun_reads_every_prompt_from_the_log(files):
+    """The same command again decodes nothing: the report is rebuilt from the per-prompt log
+    (the same figures to the last digit, timings included); other settings are refused."""
+    out = files / "resume.json"
+    first = subprocess.run(bench_command(files, out, "--compare-temperature", "0"),
+                           capture_output=True, text=True, env=ENV)
+    assert first.returncode == 0, first.stderr[-2000:]
+    log = files / "resume.prompts.jsonl"
+    records = log.read_text().splitlines()
+    assert len(records) == 1 + 3  # the settings, then 2 + 1 prompts of one greedy pass
+    rows = json.loads(out.read_text())["rows"]
+    again = subprocess.run(bench_command(files, out, "--compare-temperature", "0"),
+                           capture_output=True, text=True, env=ENV)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "3 of 3 prompt passes read from" in again.stdout
+    assert "to decode" not in again.stdout
+    assert log.read_text().splitlines() == records
+    assert json.loads(out.read_text())["rows"] == rows
+
+    changed = subprocess.run(bench_command(files, files / "other.json", "--compare-temperature",
+                                           "0", "--max-new-tokens", "8", "--compare-log",
+                                           str(log)), capture_output=True, text=True, env=ENV)
+    assert changed.returncode == 2
+    assert str(log) in changed.stderr and "max_new_tokens: 16 there, 8 now" in changed.stderr
+    assert "Traceback" not in changed.stderr and not (files / "other.json").exists()
+
+
+def test_the_log_resumes_after_a_torn_last_line(tmp_path):
+    """A kill mid-write leaves half a line: that prompt is decoded again, the rest is kept."""
+    from scripts.tools.bench.prompt_log import PromptLog, PromptLogError
+
+    path = tmp_path / "run.prompts.jsonl"
+    log = PromptLog(path, {"seed": 0})
+    log.append((0.0, 0, "b", 0), {"m": Decoded([1, 2], 1, 1, 0.5)})
+    log.append((0.0, 0, "b", 1), {"m": Decoded([3], 1, 0, 0.25)})
+    path.write_text(path.read_text()[:-20])  # the second record cut short
+    again = PromptLog(path, {"seed": 0})
+    assert again.get((0.0, 0, "b", 0)) == {"m": Decoded([1, 2], 1, 1, 0.5)}
+    assert again.get((0.0, 0, "b", 1)) is None
+    assert len(path.read_text().splitlines()) == 2  # the torn line is gone
+    path.write_text(path.read_text() + "not json\n" + path.read_text().splitlines()[1] + "\n")
+    with pytest.raises(PromptLogError, match="line 3 is not a prompt record"):
+        PromptLog(path, {"seed": 0})

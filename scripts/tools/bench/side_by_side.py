@@ -22,6 +22,10 @@ the passes. Per benchmark and mode the report gives:
 - lossless: whether every prompt's output equals plain decoding of the same family, token for
   token (plus, in the JSON, whether it equals transformers' plain decoding).
 
+Each prompt's results (every mode of it) are appended to a JSON-lines log as soon as the
+prompt is done (`--compare-log`, `prompt_log`), and a progress line is printed; the same command
+resumes an interrupted run from the log and builds the report from it.
+
 A sampling pass follows (`--compare-temperature`, one round, plain modes left out): tau only.
 Sampled outputs depend on each mode's random draws, so they are neither compared token by
 token nor timed against a plain run.
@@ -33,6 +37,7 @@ import argparse
 import json
 import math
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +51,7 @@ from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.ngram import NgramConfig
 from dspine_train.markdown_table import markdown_table
 from scripts.tools.bench.hf_reference import Decoded, HFReference
+from scripts.tools.bench.prompt_log import PromptLog
 
 # (ids, temperature, seed) -> what one prompt's decoding produced and cost
 Runner = Callable[[list[int], float, int], Decoded]
@@ -145,6 +151,18 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                        help="comma-separated mode names to run (default: every one available): "
                        + ", ".join(MODE_NAMES) + "; the n-gram rows take the --ngram-* values "
                        "(--ngram itself is not needed)")
+    group.add_argument("--compare-log", default=None,
+                       help="JSON-lines file of every decoded prompt, appended as the run goes; "
+                       "the same command resumes from it (default: --output's name with "
+                       ".prompts.jsonl)")
+
+
+def log_path(args: argparse.Namespace) -> Path:
+    """Where the per-prompt results go: `--compare-log`, or beside `--output`."""
+    if args.compare_log:
+        return Path(args.compare_log)
+    out = Path(args.output)
+    return out.with_name(out.stem + ".prompts.jsonl")
 
 
 def compare_argument_problem(args: argparse.Namespace) -> str | None:
@@ -339,31 +357,58 @@ def load_benchmarks(args: argparse.Namespace, setup: Setup) -> list[tuple[str, l
 
 # ---------------------------------------------------------------------------------- running
 def run_pass(modes: list[Mode], benches: list[tuple[str, list[list[int]], dict]],
-             temperature: float, rounds: int, seed: int,
-             skipped: dict[str, str]) -> tuple[list[Mode], dict[tuple[str, str], Totals]]:
+             temperature: float, rounds: int, seed: int, skipped: dict[str, str],
+             log: PromptLog) -> tuple[list[Mode], dict[tuple[str, str], Totals]]:
     """Every mode on every prompt, alternating prompt by prompt, `rounds` times; the modes
     that ran and their totals. A mode that refuses to sample is left out of a sampling pass
-    (named in `skipped`); at temperature 0 every mode must run."""
-    first = benches[0][1][0]
+    (named in `skipped`); at temperature 0 every mode must run. Prompts already in `log` are
+    read from it; every prompt decoded here is appended to it as soon as it is done."""
+    keys = [(temperature, r, bench, i) for r in range(rounds)
+            for bench, prompts, _ in benches for i in range(len(prompts))]
+    todo = [k for k in keys if log.get(k) is None]
+    if todo:
+        ready = _warm_up(modes, benches[0][1][0], temperature, seed, skipped)
+    else:  # everything was decoded by an earlier run: its modes are the ones it logged
+        logged = log.get(keys[0]) or {}
+        ready = [m for m in modes if m.name in logged]
+    totals = {(b, m.name): Totals() for b, _, _ in benches for m in ready}
+    ids_of = {bench: prompts for bench, prompts, _ in benches}
+    started, decoded = time.perf_counter(), 0
+    for key in keys:
+        _, r, bench, index = key
+        results = log.get(key)
+        if results is None:
+            ids = ids_of[bench][index]
+            results = {m.name: m.run(ids, temperature, seed + index) for m in ready}
+            log.append(key, results)
+            decoded += 1
+            spent = time.perf_counter() - started
+            print(f"T={temperature:g} pass {r + 1}/{rounds} {bench} prompt {index + 1}/"
+                  f"{len(ids_of[bench])}: {sum(d.seconds for d in results.values()):.1f} s "
+                  f"({decoded}/{len(todo)} to decode, {spent / 60:.1f} min so far)", flush=True)
+        for mode in ready:
+            totals[(bench, mode.name)].add(results[mode.name], r == 0)
+    if len(todo) < len(keys):
+        print(f"T={temperature:g}: {len(keys) - len(todo)} of {len(keys)} prompt passes read "
+              f"from {log.path}", flush=True)
+    return ready, totals
+
+
+def _warm_up(modes: list[Mode], ids: list[int], temperature: float, seed: int,
+             skipped: dict[str, str]) -> list[Mode]:
+    """Run each mode once on `ids` so lazy inits, allocations and captures stay out of the
+    timings; the modes that can run at this temperature."""
     ready = []
-    for mode in modes:  # warm-up: lazy inits, allocations and captures stay out of the timings
+    for mode in modes:
         try:
-            mode.run(first[:], temperature, seed)
+            mode.run(ids[:], temperature, seed)
         except GenerationInputError as err:
             if temperature == 0:
                 raise
             skipped[f"{mode.name} (T={temperature:g})"] = str(err)
             continue
         ready.append(mode)
-    totals = {(b, m.name): Totals() for b, _, _ in benches for m in ready}
-    for r in range(rounds):
-        for bench, prompts, _ in benches:
-            for index, ids in enumerate(prompts):
-                for mode in ready:
-                    totals[(bench, mode.name)].add(mode.run(ids, temperature, seed + index),
-                                                   r == 0)
-            print(f"T={temperature:g} pass {r + 1}/{rounds}: {bench} done", flush=True)
-    return ready, totals
+    return ready
 
 
 def make_rows(totals: dict[tuple[str, str], Totals], modes: list[Mode],
@@ -423,12 +468,21 @@ def run_compare(args: argparse.Namespace) -> int:
     benches = load_benchmarks(args, setup)
     for name, why in setup.skipped.items():
         print(f"mode {name!r} left out: {why}")
-    ran, totals = run_pass(setup.modes, benches, 0.0, args.rounds, args.seed, setup.skipped)
+    log = PromptLog(log_path(args), {
+        "target": args.target, "draft": args.draft, "dtype": str(setup.dtype),
+        "device": str(setup.device), "torch_threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens, "num_draft_tokens": setup.num_draft_tokens,
+        "tree": [args.compare_tree_paths, args.compare_tree_nodes],
+        "prompt_lookup": [args.prompt_lookup_tokens, args.prompt_lookup_max_ngram],
+        "ngram": asdict(setup.ngram), "seed": args.seed, "modes": [m.name for m in setup.modes],
+        "benchmarks": {name: len(ids) for name, ids, _ in benches}})
+    print(f"per-prompt log: {log.path} ({len(log.done)} prompt passes already there)")
+    ran, totals = run_pass(setup.modes, benches, 0.0, args.rounds, args.seed, setup.skipped, log)
     rows = make_rows(totals, ran, benches, 0.0, args.rounds)
     if args.compare_temperature > 0:
         sampled = [m for m in setup.modes if not m.plain]
         ran, totals = run_pass(sampled, benches, args.compare_temperature, 1, args.seed,
-                               setup.skipped)
+                               setup.skipped, log)
         rows += make_rows(totals, ran, benches, args.compare_temperature, 1)
     table = compare_table(rows)
     print("\n" + table + "\n")
