@@ -36,7 +36,6 @@ def _first_line(error: BaseException) -> str:
 def load_hub_split(entry: HubSourceConfig, key: str) -> Any:
     """The entry's split as a ``datasets.Dataset``; failures are one line naming ``key``."""
     import datasets  # deferred: importing datasets costs a second
-    from huggingface_hub import constants
 
     where = f"{key} ({entry.name})"
     try:
@@ -44,11 +43,11 @@ def load_hub_split(entry: HubSourceConfig, key: str) -> Any:
                                      revision=entry.revision)
     except ConnectionError as error:
         # datasets raises ConnectionError both offline and when the Hub cannot be reached
-        if constants.HF_HUB_OFFLINE:
-            raise DataError(f"{where}: not in the local datasets cache and HF_HUB_OFFLINE=1; "
-                            f"run once with network access (HF_HUB_OFFLINE unset) to download "
-                            f"it, or point HF_HOME / HF_DATASETS_CACHE at a cache holding "
-                            f"it") from None
+        if datasets.config.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE, or datasets' HF_DATASETS_OFFLINE
+            raise DataError(f"{where}: not in the local datasets cache and offline mode is on "
+                            f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); run once with network "
+                            f"access (both unset) to download it, or point HF_HOME / "
+                            f"HF_DATASETS_CACHE at a cache holding it") from None
         raise DataError(f"{where}: cannot reach the Hub ({_first_line(error)}) and the dataset "
                         f"is not cached; check the network or HF_ENDPOINT, or set "
                         f"HF_HUB_OFFLINE=1 to use a cached copy") from None

@@ -203,17 +203,19 @@ def test_load_errors_name_the_entry_field_and_the_repository(hub, tmp_path):
     assert all("\n" not in error for error in errors)
 
 
-def test_offline_and_not_cached_is_one_line_naming_the_dataset(hub, tmp_path):
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_offline_and_not_cached_is_one_line_naming_the_dataset(hub, tmp_path, offline):
     before = len(hub.requests)
     with FakeChatServer() as server:
         run = regenerate(hub, tmp_path / "empty_cache", tmp_path / "out", server.url,
-                         "data.source.hub=[{preset: ultrachat_200k}]", HF_HUB_OFFLINE="1")
+                         "data.source.hub=[{preset: ultrachat_200k}]", **{offline: "1"})
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
     assert lines[-1] == (
         "error: data.source.hub[0] (HuggingFaceH4/ultrachat_200k): not in the local datasets "
-        "cache and HF_HUB_OFFLINE=1; run once with network access (HF_HUB_OFFLINE unset) to "
-        "download it, or point HF_HOME / HF_DATASETS_CACHE at a cache holding it")
+        "cache and offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); run once with "
+        "network access (both unset) to download it, or point HF_HOME / HF_DATASETS_CACHE at a "
+        "cache holding it")
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "out").exists()
     assert len(hub.requests) == before
