@@ -265,3 +265,13 @@ def test_cli_refuses_an_unknown_preset_or_key_naming_it(tmp_path, override, name
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1
     assert named in run.stderr and "Traceback" not in run.stderr
+
+
+def test_max_rows_sample_is_seeded_spread_and_only_grows():
+    small, large = sample_indices(1000, 50, 0, "org/set/train"), sample_indices(1000, 200, 0,
+                                                                                "org/set/train")
+    assert small == sorted(small) and len(set(small)) == 50 and set(small) <= set(large)
+    assert small == sample_indices(1000, 50, 0, "org/set/train")  # same settings, same rows
+    assert small != sample_indices(1000, 50, 1, "org/set/train")  # the source seed salts it
+    assert max(small) > 500  # not a prefix: sets sorted by origin are sampled throughout
+    assert sample_indices(40, 40, 0, "org/set/train") is None  # all rows: read in order
