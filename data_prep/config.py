@@ -77,12 +77,106 @@ def _check(condition: bool, key: str, message: str) -> None:
         raise ValueError(f"data config: {key}: {message}")
 
 
+class HubPreset(StrEnum):
+    """Named Hub datasets the DSpine/DFlash/DSpark recipes train on (see ``HUB_PRESETS``)."""
+
+    sharegpt = "sharegpt"
+    ultrachat_200k = "ultrachat_200k"
+    open_perfectblend = "open_perfectblend"
+    nemotron_v1_chat = "nemotron_v1_chat"
+
+
+# Where each preset's repository id, split and columns were checked: SpecForge's
+# scripts/prepare_data.py (sgl-project/SpecForge: ultrachat, sharegpt, perfectblend loaders and
+# their row processors), the dataset cards' ``dataset_info`` (HuggingFaceH4/ultrachat_200k:
+# splits train_sft/test_sft/train_gen/test_gen, ``prompt_id`` + ``messages`` of role/content;
+# nvidia/Nemotron-Post-Training-Dataset-v1: splits chat/code/math/stem/tool_calling, ``uuid`` +
+# ``messages`` of role/content) and the repository listing of mlabonne/open-perfectblend
+# (data/train-0000N-of-00006.parquet, ``conversations`` of from/value, no id column).
+HUB_PRESETS: dict[HubPreset, dict[str, Any]] = {
+    # ShareGPT V4.3 (the EAGLE / SpecForge copy): id + conversations of from/value; some turns
+    # name the assistant chatgpt/bing/bard.
+    HubPreset.sharegpt: {"name": "Aeala/ShareGPT_Vicuna_unfiltered", "split": "train",
+                         "messages_field": "conversations", "id_field": "id",
+                         "roles": {"chatgpt": "assistant", "bing": "assistant",
+                                   "bard": "assistant"}},
+    HubPreset.ultrachat_200k: {"name": "HuggingFaceH4/ultrachat_200k", "split": "train_sft",
+                               "messages_field": "messages", "id_field": "prompt_id"},
+    HubPreset.open_perfectblend: {"name": "mlabonne/open-perfectblend", "split": "train",
+                                  "messages_field": "conversations"},
+    # The chat split (747k rows, ~3.8 GB); code/math/stem/tool_calling are other splits.
+    HubPreset.nemotron_v1_chat: {"name": "nvidia/Nemotron-Post-Training-Dataset-v1",
+                                 "split": "chat", "messages_field": "messages",
+                                 "id_field": "uuid"},
+}
+
+_ROLE_NAMES = ("system", "user", "assistant")
+
+
+@dataclass
+class HubSourceConfig:
+    """One dataset on the Hugging Face Hub, read with ``datasets.load_dataset``.
+
+    Each row becomes a conversation from a column of turns (``messages_field``; turns of
+    role/content or from/value, as in local files) or from text columns (``prompt_field``,
+    optional ``response_field`` and ``system_field``).  A ``preset`` fills every field left
+    unset; ``roles`` adds role names to the built-in ones (human/gpt/user/assistant/system).
+    """
+
+    preset: HubPreset | None = None
+    name: str | None = None  # repository id, e.g. HuggingFaceH4/ultrachat_200k
+    config: str | None = None  # the dataset's configuration (subset), if it has several
+    split: str | None = None  # default: train
+    revision: str | None = None  # branch, tag or commit; default: main
+    messages_field: str | None = None  # column of turns; default: messages, else conversations
+    prompt_field: str | None = None  # or a single-turn row from text columns
+    response_field: str | None = None
+    system_field: str | None = None
+    id_field: str | None = None  # column holding the row id; default: id (else a content hash)
+    roles: dict[str, str] = field(default_factory=dict)  # extra role name -> user/assistant/system
+    max_rows: int | None = None  # read at most this many rows (a seeded sample of the split)
+
+    def resolved(self, key: str) -> HubSourceConfig:
+        """This entry with its preset's values filled in, checked; errors name ``key``."""
+        preset = HUB_PRESETS[HubPreset(self.preset)] if self.preset is not None else {}
+        values = {name: getattr(self, name) for name in (
+            "name", "config", "split", "revision", "messages_field", "prompt_field",
+            "response_field", "system_field", "id_field", "max_rows")}
+        for name, value in preset.items():
+            if name != "roles" and values.get(name) is None and not (
+                    name == "messages_field" and self.prompt_field is not None):
+                values[name] = value
+        entry = HubSourceConfig(preset=self.preset, roles={**preset.get("roles", {}),
+                                                           **dict(self.roles)}, **values)
+        entry.split = entry.split if entry.split is not None else "train"
+        _check(bool(entry.name), f"{key}.name",
+               f"set a repository id (org/name) or {key}.preset "
+               f"({', '.join(p.value for p in HubPreset)})")
+        try:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+            validate_repo_id(entry.name)
+        except HFValidationError as error:
+            raise ValueError(f"data config: {key}.name: {error}") from None
+        _check(bool(entry.split), f"{key}.split", "must not be empty")
+        _check(entry.max_rows is None or entry.max_rows > 0, f"{key}.max_rows", "must be > 0")
+        _check(entry.prompt_field is None or entry.messages_field is None, f"{key}.prompt_field",
+               "set either messages_field (a column of turns) or prompt_field, not both")
+        for name in ("response_field", "system_field"):
+            _check(getattr(entry, name) is None or entry.prompt_field is not None,
+                   f"{key}.{name}", "needs prompt_field (it builds a row from text columns)")
+        for name, role in entry.roles.items():
+            _check(role in _ROLE_NAMES, f"{key}.roles.{name}",
+                   f"{role!r} is not one of {', '.join(_ROLE_NAMES)}")
+        return entry
+
+
 @dataclass
 class SourceConfig:
-    """Input rows: a packaged prompt set and/or local files, and the subset to use."""
+    """Input rows: a packaged prompt set, local files and/or Hub datasets, and the subset."""
 
     builtin: BuiltinSource | None = None  # packaged prompts (needs the demo extra)
     paths: list[str] = field(default_factory=list)  # local JSON/JSONL/datasets inputs
+    hub: list[HubSourceConfig] = field(default_factory=list)  # datasets on the Hugging Face Hub
     format: str = "auto"  # container format: auto | jsonl | json | datasets
     split: str = "train"  # split to read from a datasets DatasetDict / data directory
     strict: bool = False  # fail on the first bad row (naming file and line) instead of skipping
@@ -92,10 +186,11 @@ class SourceConfig:
     seed: int = 0  # salt of the id hash behind the held-out split and the subset
 
     def __post_init__(self) -> None:
-        _check(self.builtin is not None or bool(self.paths), "source",
-               "set source.builtin or source.paths")
+        _check(self.builtin is not None or bool(self.paths) or bool(self.hub), "source",
+               "set source.builtin, source.paths or source.hub")
         _check(0.0 <= self.heldout_fraction < 1.0, "source.heldout_fraction", "must be in [0, 1)")
         _check(self.max_rows is None or self.max_rows > 0, "source.max_rows", "must be > 0")
+        self.hub = [entry.resolved(f"source.hub[{index}]") for index, entry in enumerate(self.hub)]
 
 
 @dataclass

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,8 +202,24 @@ def read_datasets(path: Path, *, split: str = "train", strict: bool = False,
         except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise DataError(f"{path}: cannot read it as a dataset: {first}") from None
-    for index, record in enumerate(loaded, start=1):
-        yield _outcome(record, RowRef(path.name, index), strict, record_map)
+    yield from read_dataset_rows(loaded, path.name, strict=strict, record_map=record_map)
+
+
+def read_dataset_rows(dataset: Any, source: str, *, strict: bool = False,
+                      record_map: RecordMap | None = None,
+                      indices: Iterable[int] | None = None) -> Iterator[ReadResult]:
+    """Rows of a loaded ``datasets.Dataset``, named ``source:<1-based row index>``.
+
+    ``indices`` (0-based, ascending) reads only those rows; local ``datasets`` inputs and Hub
+    datasets both come through here, so their rows get the same checks.
+    """
+    if indices is None:
+        for index, record in enumerate(dataset, start=1):
+            yield _outcome(record, RowRef(source, index), strict, record_map)
+        return
+    indices = [int(index) for index in indices]
+    for index, record in zip(indices, dataset.select(indices)):
+        yield _outcome(record, RowRef(source, index + 1), strict, record_map)
 
 
 def read_rows(path: str | Path, *, fmt: str = "auto", split: str = "train", strict: bool = False,

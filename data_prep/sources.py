@@ -1,4 +1,4 @@
-"""Prompt sources: the packaged ShareGPT and HumanEval sets, local files, and stable subsets.
+"""Prompt sources: the packaged ShareGPT and HumanEval sets, local files, Hub datasets, subsets.
 
 ``load_source(SourceConfig)`` reads every configured input, drops duplicate ids, and picks the
 configured part of a held-out split and a subset.  Both choices hash the row id (salted by the
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.config import BuiltinSource, SourceConfig, SourcePart
+from data_prep.hub import read_hub
 from data_prep.readers import ReadResult, read_rows
 from data_prep.schema import Conversation, DataError, RowRef, SkippedRow
 
@@ -86,8 +87,13 @@ class SourceRows:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-def iter_source(config: SourceConfig) -> Iterator[ReadResult]:
-    """Every row of every configured input, in order, before selection."""
+def iter_source(config: SourceConfig,
+                tally: dict[str, int] | None = None) -> Iterator[ReadResult]:
+    """Every row of every configured input, in order, before selection.
+
+    ``tally`` collects counts the rows themselves do not carry (Hub rows left unread by an
+    entry's ``max_rows``).
+    """
     with ExitStack() as stack:
         if config.builtin == BuiltinSource.sharegpt:
             path = packaged_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, stack)
@@ -99,6 +105,8 @@ def iter_source(config: SourceConfig) -> Iterator[ReadResult]:
         for user_path in config.paths:
             yield from read_rows(user_path, fmt=config.format, split=config.split,
                                  strict=config.strict)
+        for index, entry in enumerate(config.hub):
+            yield from read_hub(entry, index, strict=config.strict, seed=config.seed, tally=tally)
 
 
 def load_source(config: SourceConfig) -> SourceRows:
@@ -107,7 +115,8 @@ def load_source(config: SourceConfig) -> SourceRows:
     skipped: list[SkippedRow] = []
     # Ids key resume and every split, so they must be unique across all inputs.
     first_seen: dict[str, RowRef] = {}
-    for result in iter_source(config):
+    tally: dict[str, int] = {}
+    for result in iter_source(config, tally):
         if isinstance(result, SkippedRow):
             skipped.append(result)
             continue
@@ -131,5 +140,7 @@ def load_source(config: SourceConfig) -> SourceRows:
     counts = {"records": valid + len(skipped), "valid": valid, "invalid": len(skipped),
               "outside_part": valid - in_part, "not_in_subset": in_part - len(rows),
               "selected": len(rows)}
+    if config.hub:  # rows of Hub splits that an entry's max_rows did not read
+        counts["hub_not_read"] = tally.get("not_read", 0)
     return SourceRows(rows, skipped, counts)
 

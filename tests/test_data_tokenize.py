@@ -129,7 +129,7 @@ def test_every_recipe_composes():
     for recipe in sorted(Path(RECIPES, "data").glob("*.yaml")):
         overrides = [f"data={recipe.stem}", "data.tokenize.tokenizer_path=/some/tokenizer"]
         data = compose_data(*overrides)
-        assert data.source.builtin is not None or data.source.paths
+        assert data.source.builtin is not None or data.source.paths or data.source.hub
 
 
 def test_cli_rejects_unknown_key_with_nonzero_exit(tmp_path):
