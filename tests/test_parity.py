@@ -23,8 +23,10 @@ from _engine_helpers import (
 
 from dspine_train.engine import Engine
 from dspine_train.evaluation.parity import (
+    NEAR_TIE_LOGITS,
     ParityRowInput,
     extractor_features,
+    hf_next_logits,
     round_anchors,
     rows_from_dataset,
     run_parity,
@@ -222,3 +224,62 @@ def test_every_block_evaluation_counts_what_parity_counts(world):
                                        lambda batch: features(batch.input_ids))
     got = {(int(r), int(a)): int(n) for r, a, n in zip(plan.rows, plan.anchors, accepted)}
     assert got == expected and max(got.values()) > 0
+
+
+def test_a_response_leaving_the_greedy_output_at_a_near_tie_is_numerics_not_a_warning(world):
+    """A response that differs from the engine's greedy output is a warning, unless the target
+    scores the two tokens where they part within NEAR_TIE_LOGITS (batched-decoding numerics):
+    then the report names the row and its margin instead."""
+    engine, step, features = _pair(world)
+    rows = world["rows"][:2]
+    changed = []
+    for r in rows:  # both responses leave the greedy output at their 4th token
+        response = list(r.response)
+        response[3] = (response[3] + 1) % 200
+        changed.append(ParityRowInput(r.row_id, r.prompt, response))
+    real = hf_next_logits(world["hf"])
+    report = run_parity(engine, step, features, changed, max_new_tokens=RESPONSE,
+                        next_logits=real)
+    assert [r.first_divergence for r in report.rows] == [3, 3]
+    assert all(r.divergence_margin > NEAR_TIE_LOGITS for r in report.rows)  # argmax vs another
+    assert any("2 of 2 rows' responses are not what the engine generates" in w
+               for w in report.warnings)
+
+    def tie_with_the_first_row(ids):  # the first row's two candidates within 1e-3 logits
+        logits = real(ids)
+        if ids[:len(rows[0].prompt)] == rows[0].prompt:
+            top = int(logits.argmax())
+            logits[changed[0].response[3]] = logits[top] - 1e-3
+        return logits
+
+    report = run_parity(engine, step, features, changed, max_new_tokens=RESPONSE,
+                        next_logits=tie_with_the_first_row)
+    assert report.rows[0].near_tie and not report.rows[1].near_tie
+    assert any("1 of 2 rows' responses are not what the engine generates greedily "
+               f"(first: {rows[1].row_id})" in w for w in report.warnings)
+    assert f"{rows[0].row_id} token 3, margin 0.001" in report.markdown()
+
+
+def test_a_response_holding_the_engine_text_in_another_token_split_is_not_a_warning(world):
+    """Answers are stored as text and re-tokenized: two generated tokens can come back as one.
+    Such a row is named in the report, not warned about; a row whose text differs still is."""
+    engine, step, features = _pair(world)
+    rows = world["rows"][:2]
+    merged = 199  # an id the tiny target's greedy rows do not use here: decodes as two tokens
+    assert all(merged not in r.response for r in rows)
+    a, b = rows[0].response[3], rows[0].response[4]
+    first = ParityRowInput(rows[0].row_id, rows[0].prompt,
+                           rows[0].response[:3] + [merged] + rows[0].response[5:])
+    second = ParityRowInput(rows[1].row_id, rows[1].prompt,
+                            rows[1].response[:3] + [merged] + rows[1].response[5:])
+
+    def decode(ids):  # the tiny tokenizer's text, with the merged id spelling out a and b
+        return "".join(f"<{a}><{b}>" if t == merged else f"<{t}>" for t in ids)
+
+    report = run_parity(engine, step, features, [first, second], max_new_tokens=RESPONSE,
+                        decode=decode)
+    assert [r.same_text for r in report.rows] == [True, False]  # row 1's tokens are not a, b
+    assert any("1 of 2 rows' responses are not what the engine generates greedily "
+               f"(first: {rows[1].row_id})" in w for w in report.warnings)
+    assert f"1 hold the engine's text split into other tokens ({rows[0].row_id})" in (
+        report.markdown())
