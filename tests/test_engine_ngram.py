@@ -26,7 +26,6 @@ from dspine_train.engine.round_planner import (
     PRIOR_WEIGHT,
     RoundCosts,
     RoundPlanner,
-    RoundShape,
     round_shapes,
 )
 from dspine_train.engine.round_results import ProposalLedger
@@ -103,78 +102,144 @@ def test_pack_proposals_pads_and_cuts():
 
 
 # ----------------------------------------------------------------------------- the planner
-def _planner(seconds: dict[str, float]) -> RoundPlanner:
-    shapes = [RoundShape("plain", 0), RoundShape("ngram", 7, 0, ngram=True),
-              RoundShape("chain", 7, 7), RoundShape("hybrid", 14, 7, ngram=True)]
-    return RoundPlanner(shapes, RoundCosts(seconds, 1), adaptive=True, explore_every=1000)
+WIDTHS = [1, 2, 4, 7]  # the n-gram chains a planner may verify (an engine offers 1..num_tokens)
+
+
+def _costs(per_node: float, draft: float = 1.5) -> RoundCosts:
+    """A verify costing 1 + `per_node` per token past the root; a draft forward `draft`."""
+    seconds = {"plain": 1.0, "chain": draft + 1.0 + 7 * per_node,
+               "hybrid": draft + 1.0 + 14 * per_node}
+    seconds.update({f"ngram{k}": 1.0 + k * per_node for k in WIDTHS})
+    return RoundCosts(seconds, 1)
+
+
+def _planner(costs: RoundCosts) -> RoundPlanner:
+    return RoundPlanner(round_shapes(WIDTHS, 7, None), costs, adaptive=True)
 
 
 @pytest.mark.parametrize("tree_nodes", [None, 12])
 def test_round_shapes_say_which_rounds_verify_a_tree(tree_nodes):
-    """A plain step and the draft's chain verify a chain block; the n-gram branch (alone or
-    merged into the draft's part) and the draft's tree of its top paths verify a token tree."""
-    shapes = {s.name: s for s in round_shapes(7, 7, tree_nodes)}
+    """A plain step, the draft's chain and the n-gram branch alone (a chain of its first k
+    tokens, one shape per k) verify a chain block; the n-gram branch merged into the draft's
+    part and the draft's tree of its top paths verify a token tree."""
+    shapes = round_shapes([1, 2, 7], 7, tree_nodes)
     draft = "chain" if tree_nodes is None else "tree"
-    assert list(shapes) == ["plain", "ngram", draft, "hybrid"]
-    assert {name: s.tree for name, s in shapes.items()} == {
-        "plain": False, "ngram": True, draft: tree_nodes is not None, "hybrid": True}
+    assert [(s.name, s.nodes) for s in shapes] == [
+        ("plain", 0), ("ngram", 1), ("ngram", 2), ("ngram", 7), (draft, tree_nodes or 7),
+        ("hybrid", (tree_nodes or 7) + 7)]
+    assert [s.key for s in shapes] == ["plain", "ngram1", "ngram2", "ngram7", draft, "hybrid"]
+    assert [s.tree for s in shapes] == [False, False, False, False, tree_nodes is not None, True]
     assert [s.tree for s in round_shapes(None, 7, tree_nodes)] == [False, tree_nodes is not None]
 
 
 def test_planner_falls_back_to_plain_steps_when_drafting_does_not_pay():
-    planner = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
-    for _ in range(20):  # nothing the draft or the n-gram branch proposed was taken
+    planner = _planner(_costs(0.1))
+    for _ in range(40):  # nothing the draft or the n-gram branch proposed was taken
         planner.record_draft(0)
         planner.record_ngram(1, 0)
-    assert planner.choose([1]).name == "plain"
-    assert planner.choose([0]).name == "plain"
+    assert planner.choose([1], [7]).name == "plain"
+    assert planner.choose([0], [0]).name == "plain"
 
 
-def test_planner_takes_the_ngram_branch_where_it_is_taken():
-    planner = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
-    for _ in range(20):
+def test_planner_verifies_as_much_of_the_ngram_branch_as_pays():
+    """Long matches are taken whole (the widest chain); a proposal shorter than the widest
+    buys only the width it needs; one-token matches that the target never takes: plain."""
+    planner = _planner(_costs(0.1))
+    for _ in range(40):
         planner.record_draft(0)
-        planner.record_ngram(3, 5)  # long matches: 5 tokens taken
+        planner.record_ngram(3, 6)  # long matches: 6 tokens taken
         planner.record_ngram(1, 0)  # one-token matches: nothing
-    assert planner.choose([3]).name == "ngram"
-    assert planner.choose([1]).name == "plain"
+    assert (planner.choose([3], [7]).name, planner.choose([3], [7]).nodes) == ("ngram", 7)
+    assert planner.choose([3], [2]).nodes == 2  # only two tokens proposed: a 2-token chain
+    assert planner.choose([1], [7]).name == "plain"
+    # A match that pays for one token but rarely for more: the short chain.
+    short = _planner(_costs(0.3))
+    for _ in range(40):
+        short.record_draft(0)
+        short.record_ngram(2, 1)
+    assert (short.choose([2], [7]).name, short.choose([2], [7]).nodes) == ("ngram", 1)
     # With flat costs (a GPU) the widest tree wins.
-    flat = _planner({"plain": 1.0, "ngram": 1.0, "chain": 1.0, "hybrid": 1.0})
+    flat = _planner(RoundCosts(dict.fromkeys(_costs(0.1).seconds, 1.0), 1))
     flat.record_draft(2)
-    assert flat.choose([3]).name == "hybrid"
+    assert flat.choose([3], [7]).name == "hybrid"
 
 
-def test_planner_retries_the_draft():
-    planner = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
-    planner.explore_every = 4
-    for _ in range(20):
-        planner.record_draft(0)
-    names = [planner.choose([0]).name for _ in range(10)]
-    assert names[:4] == ["plain"] * 4 and names[4] in ("chain", "hybrid")
-    non_adaptive = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
+def test_planner_retries_a_losing_draft_ever_more_rarely():
+    """The draft is scored only where it runs: its estimate carries an exploration bonus, so a
+    draft that keeps losing is re-tried, less and less often."""
+    planner = _planner(_costs(0.1, draft=0.3))  # a chain round costs two plain steps
+    names = []
+    for _ in range(4000):
+        names.append(planner.choose([0], [0]).name)
+        if names[-1] == "chain":
+            planner.record_draft(0)  # it never pays
+    tries = [i for i, name in enumerate(names) if name == "chain"]
+    assert set(names) == {"plain", "chain"}
+    early, late = sum(1 for i in tries if i < 1000), sum(1 for i in tries if i >= 1000)
+    assert early > late >= 1, tries  # re-tried later, but more rarely than at first
+    non_adaptive = _planner(_costs(0.1))
     non_adaptive.adaptive = False
-    assert non_adaptive.choose([0]).name == "hybrid"
+    assert non_adaptive.choose([0], [0]).name == "hybrid"
+
+
+def test_non_adaptive_ngram_mode_verifies_the_proposal_found():
+    """Without a draft, the configured n-gram mode verifies a chain as long as the longest
+    proposal (the widest when longer) and takes a plain step when nothing matched, as
+    transformers' prompt lookup does."""
+    planner = RoundPlanner(round_shapes(list(range(1, 8)), 0, None), None, adaptive=False)
+    assert (planner.choose([2, 1], [3, 5]).name, planner.choose([2, 1], [3, 5]).nodes) == (
+        "ngram", 5)
+    assert planner.choose([0], [0]).name == "plain"
+    assert planner.choose([3], [7]).nodes == 7
+
+
+def test_planner_memory_outlives_a_call(world):
+    """What the proposals scored persists across an engine's calls (an adaptive engine learns
+    its traffic), and is reset with the n-gram settings."""
+    engine = _engine(world, draft=False, ngram=NgramConfig(max_n=2, min_n=1, num_tokens=6),
+                     adaptive=True)
+    engine.generate([world["prompts"][0]], max_new_tokens=12, chat=False)
+    memory = engine.planner_memory
+    assert memory.rounds > 0 and memory.ngram
+    rounds = memory.rounds
+    engine.generate([world["prompts"][1]], max_new_tokens=12, chat=False)
+    assert engine.planner_memory is memory and memory.rounds > rounds
+    engine.configure_ngram(NgramConfig(max_n=2, min_n=1, num_tokens=6), adaptive=True)
+    assert engine.planner_memory.rounds == 0
 
 
 def test_ledger_scores_proposals_against_what_the_sequence_commits():
     """A proposal is scored on the tokens committed after it, even by plain steps that verified
-    none of it; a sequence that ends first drops what it cannot score."""
-    planner = _planner({"plain": 1.0, "ngram": 1.5, "chain": 3.0, "hybrid": 3.5})
-    ledger = ProposalLedger(planner, 2)
-    states = [SequenceState(10, (), None), SequenceState(2, (), None)]
+    none of it, as soon as a token differs; a sequence that ends first drops what it cannot
+    score."""
+    planner = _planner(_costs(0.1))
+    ledger = ProposalLedger(planner, 3)
+    states = [SequenceState(10, (), None), SequenceState(2, (), None),
+              SequenceState(10, (), None)]
     for state in states:
         state.extend([4], ends_with_eos=False)
     ledger.propose(0, 1, "ngram", 2, [5, 6, 7])
     ledger.propose(0, 1, "draft", 0, [5, 9])
     ledger.propose(1, 1, "ngram", 2, [5, 6, 7])
+    ledger.propose(2, 1, "ngram", 3, [8, 6, 7])
+    scored = []
     for token in (5, 6, 8):  # three plain steps, one token each
         for b, state in enumerate(states):
             if not state.done:
                 state.extend([token], ends_with_eos=False)
             ledger.settle(b, state)
-    assert planner._ngram[2].total == PRIOR_TOKENS * PRIOR_WEIGHT + 2  # 5, 6 matched; 7 did not
-    assert planner._ngram[2].count == PRIOR_WEIGHT + 1  # row 1 ended after 5: not scored
-    assert planner._draft.total == PRIOR_TOKENS * PRIOR_WEIGHT + 1
+        scored.append((dict(planner.memory.ngram), planner.memory.draft_observations))
+    # step 1: row 2's proposal (8, ...) differs at once -> scored 0 then; step 2: the draft's
+    # (5, 9) differs at its second token -> scored 1; step 3: row 0's -> 2 (5, 6 matched).
+    assert 3 in scored[0][0] and 2 not in scored[0][0] and scored[0][1] == 0
+    assert scored[1][1] == 1 and 2 not in scored[1][0]
+    expected = PRIOR_TOKENS * PRIOR_WEIGHT
+    assert planner.memory.ngram[3].expected(7) == pytest.approx(
+        (expected * 0.98 + 0) / (PRIOR_WEIGHT * 0.98 + 1))
+    assert planner.memory.ngram[2].expected(7) == pytest.approx(  # row 1 ended: not scored
+        (expected * 0.98 + 2) / (PRIOR_WEIGHT * 0.98 + 1))
+    assert planner.memory.draft.expected(7) == pytest.approx(
+        (expected * 0.98 + 1) / (PRIOR_WEIGHT * 0.98 + 1))
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -231,8 +296,18 @@ def test_pure_ngram_mode_needs_no_draft_and_copies(world):
     prompt = world["prompts"][0]
     out = engine.generate([prompt], max_new_tokens=12, chat=False)
     assert out.token_ids == engine.generate_ar([prompt], max_new_tokens=12, chat=False).token_ids
-    assert out.stats.round_shapes == {"ngram": out.stats.steps}
     assert out.stats.steps < 12  # some rounds took several tokens
+    # Each round verified the proposal found and no more (a plain step where none was), as
+    # prompt lookup does: replay the rounds with the plain-Python matcher.
+    config, tokens, widths = engine.ngram, [], []
+    for accepted in [0] + out.stats.round_accepted[0]:  # the prefill's token, then each round
+        tokens = out.token_ids[0][: len(tokens) + accepted + 1]
+        widths.append(len(reference_proposal(prompt + tokens, config)[0]))
+    widths = widths[: out.stats.steps]
+    assert out.stats.nodes_verified == sum(widths)
+    assert out.stats.round_shapes == {
+        name: count for name, count in (("ngram", sum(w > 0 for w in widths)),
+                                        ("plain", widths.count(0))) if count}
     plain = _engine(world, draft=False)
     with pytest.raises(GenerationInputError, match="--ngram"):
         plain.generate([prompt], max_new_tokens=4, chat=False)
@@ -242,7 +317,7 @@ def test_adaptive_engine_measures_its_rounds(world):
     engine = _engine(world, ngram=NgramConfig(), adaptive=True)
     engine.warmup(batch_sizes=[2], num_draft_tokens=[engine.block_size - 1])
     costs = engine._costs[(2, engine.block_size - 1)]
-    assert set(costs.seconds) == {"plain", "ngram", "chain", "hybrid"}
+    assert set(costs.seconds) == {"plain", "chain", "hybrid"} | {f"ngram{k}" for k in range(1, 8)}
     assert all(s > 0 for s in costs.seconds.values())
 
 

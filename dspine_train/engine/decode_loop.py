@@ -79,7 +79,7 @@ def run(
         costs = None
         if engine.adaptive and len(shapes) > 1:  # measured once per (batch, g), untimed
             costs = engine.calibrate(len(ids), num_draft_tokens)
-        planner = RoundPlanner(shapes, costs, engine.adaptive)
+        planner = RoundPlanner(shapes, costs, engine.adaptive, engine.planner_memory)
     ledger = ProposalLedger(planner, len(ids)) if planner and planner.adaptive else None
     sampler = Sampler(temperature, top_p, torch.Generator(engine.device).manual_seed(seed))
     timer = StepTimer(engine.device)
@@ -114,7 +114,8 @@ def run(
                 stats.ngram_s += time.perf_counter() - found
             shape = RoundShape("plain", 0)
             if planner is not None:
-                shape = planner.choose([proposals[b][1] if proposals else 0 for b in live])
+                found_for = [proposals[b] if proposals else ([], 0) for b in live]
+                shape = planner.choose([n for _, n in found_for], [len(p) for p, _ in found_for])
             acc, features, drafted = round_of(
                 engine, shape, anchors, longest, proposals, sampler, timer
             )
@@ -134,6 +135,7 @@ def run(
                     seen = len(indexes[b].tokens) - len(ids[b])
                     indexes[b].extend(states[b].tokens[seen:])
             stats.steps += 1
+            stats.nodes_verified += shape.nodes
             # Commit on the device: the anchor and the accepted drafts now have valid target
             # K/V and features; the rejected tail is dropped by not counting it. Rows that
             # are done go back to length 0 so their idle writes stay inside the caches.
@@ -218,6 +220,10 @@ def round_of(
 ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
     """One round of `shape`: the `Acceptance`, the accepted tokens' features (None
     without a draft) and the draft's chain tokens `(B, g)` (None where it did not run)."""
+    if shape.ngram and not shape.drafts:  # the n-gram branch alone: a chain of its first tokens
+        assert proposals is not None
+        given, _ = pack_proposals([p for p, _ in proposals], shape.nodes, engine.device)
+        return chain_round(engine, anchors, longest, 0, sampler, timer, given)
     if not shape.tree:
         return chain_round(engine, anchors, longest, shape.draft_depth, sampler, timer)
     ngram = None
@@ -245,14 +251,21 @@ def chain_round(
     num_draft_tokens: int,
     sampler: Sampler,
     timer: StepTimer,
+    given: torch.Tensor | None = None,
 ) -> tuple[Acceptance, torch.Tensor | None, torch.Tensor | None]:
     """Draft (if g > 0), verify `[anchor, d_1..d_g]`, accept. Plain decoding is g = 0.
 
-    `longest` is the longest committed length of the rows still running (the others sit at
-    length 0); it picks the kv buckets of both steps. Returns as `round_of`.
+    `given (B, k)`: tokens proposed without the draft (the n-gram branch; rows with a shorter
+    proposal padded), verified as a chain in the draft's place: each is a proposal of
+    probability 1, so sampling's acceptance keeps the target's distribution. `longest` is the
+    longest committed length of the rows still running (the others sit at length 0); it picks
+    the kv buckets of both steps. Returns as `round_of`.
     """
-    draft_tokens = anchors[:, None][:, :0]  # (B, 0)
+    draft_tokens = anchors[:, None][:, :0] if given is None else given  # (B, 0) or (B, k)
     draft_q = candidates = None
+    if given is not None:
+        draft_q = torch.ones(given.shape + (1,), device=given.device)  # q(d) = 1: deterministic
+        candidates = given[:, :, None]
     if num_draft_tokens > 0:
         draft_kv = engine._bucket(longest + engine.block_size, engine._draft_capacity())
         step, inputs = engine._chain.step_inputs(anchors, sampler)

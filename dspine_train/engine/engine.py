@@ -14,9 +14,11 @@ exactly as above.
 
 With `ngram` set, each round can also verify an n-gram branch (the continuation of the
 sequence's last tokens where they stood before, `engine.ngram`), merged into the same tree
-(`token_tree.hybrid_tree`); without a draft that branch alone is the proposal (the n-gram mode).
+(`token_tree.hybrid_tree`); without a draft that branch alone is the proposal (the n-gram mode:
+a chain as long as the proposal, a plain step where nothing matched, as prompt-lookup decoding).
 With `adaptive`, each round's shape (plain step, n-gram only, draft, or both) is the one with
-the most expected tokens per second under measured costs (`engine.round_planner`).
+the most expected tokens per second under measured costs (`engine.round_planner`); what the
+proposals scored persists across the engine's calls (`planner_memory`).
 
 The acceptance result is read to the host once per round (the only sync of a step): it decides
 stop strings, token budgets and the per-sequence bookkeeping. Plain decoding (`generate_ar`) is
@@ -43,7 +45,12 @@ from dspine_train.engine.errors import CheckpointError, GenerationInputError
 from dspine_train.engine.ngram import NgramConfig
 from dspine_train.engine.prompts import Prompts
 from dspine_train.engine.request_checks import tree_budget
-from dspine_train.engine.round_planner import RoundCosts, RoundShape, round_shapes
+from dspine_train.engine.round_planner import (
+    PlannerMemory,
+    RoundCosts,
+    RoundShape,
+    round_shapes,
+)
 from dspine_train.engine.round_results import AcceptanceReader
 from dspine_train.engine.target_files import eos_token_ids, load_tokenizer
 from dspine_train.engine.target_model import TargetModel
@@ -75,7 +82,8 @@ class Engine:
     `configure_tree` changes them later.
 
     `ngram` (an `NgramConfig`) adds an n-gram branch to every round's tree (hybrid rounds), or,
-    without a draft, makes `generate` the n-gram mode. `adaptive=True` lets each round verify
+    without a draft, makes `generate` the n-gram mode (each round verifies the proposal found,
+    no wider). `adaptive=True` lets each round verify
     the shape with the most expected tokens per second instead (`engine.round_planner`; its
     costs are measured by `calibrate`, which `warmup` runs); the output is the same either way.
     `configure_ngram` changes them later.
@@ -136,6 +144,7 @@ class Engine:
             target.set_feature_layers(draft.config.target_layer_ids)
         target.setup(max_batch_size, self.max_seq_len)
         cuda = self.device.type == "cuda"
+        self._flat_verify = cuda  # a verify costs about the same for 1 or 30 tokens on a GPU
         use_graphs = cuda_graphs and cuda
         use_compile = cuda if compile is None else bool(compile)
         if use_compile:
@@ -274,6 +283,8 @@ class Engine:
         for the calls from now on."""
         self.ngram, self.adaptive = ngram, bool(adaptive)
         self._costs.clear()  # measured for other shapes
+        # What the proposals scored in earlier calls (`round_planner.PlannerMemory`).
+        self.planner_memory = PlannerMemory()
 
     def _tree_budget(self, num_draft_tokens: int) -> int | None:
         """Nodes verified per round by a tree round, or None where the round is a chain."""
@@ -288,15 +299,26 @@ class Engine:
         """The shapes a round may take with g = `num_draft_tokens`, the widest (the one a
         non-adaptive engine always verifies) last: a plain step, the n-gram branch alone, the
         draft's chain or tree, and the draft with the n-gram branch merged in."""
-        width = self.ngram.num_tokens if self.ngram is not None else 0
         with_draft = self.draft is not None and num_draft_tokens > 0
         nodes = self._tree_budget(num_draft_tokens) if with_draft else None
-        return round_shapes(width if self.ngram is not None else None,
-                            num_draft_tokens if with_draft else 0, nodes)
+        return round_shapes(self.ngram_widths(), num_draft_tokens if with_draft else 0, nodes)
+
+    def ngram_widths(self) -> list[int] | None:
+        """The widths of the n-gram-only chains a round may verify (None: no n-gram): every
+        width up to `ngram.num_tokens` where a verify's cost grows with its tokens (a CPU),
+        only the widest on a GPU (the verify is about flat there, and each width would be one
+        more compiled and captured step per kv bucket)."""
+        if self.ngram is None:
+            return None
+        widest = self.ngram.num_tokens
+        return [widest] if self._flat_verify else list(range(1, widest + 1))
 
     def _depth(self, shape: RoundShape) -> int:
         """Drafted tokens on the longest path of a `shape` round."""
-        return max(shape.draft_depth, self.ngram.num_tokens if shape.ngram else 0)
+        if not shape.ngram:
+            return shape.draft_depth
+        branch = self.ngram.num_tokens if shape.drafts else shape.nodes  # merged: the whole one
+        return max(shape.draft_depth, branch)
 
     def kv_buckets(self) -> list[int]:
         """Every kv length a verify step can attend over: multiples of `kv_bucket_size` below

@@ -119,15 +119,17 @@ class ProposalLedger:
             self._pending[row].append((kind, size, start, tokens))
 
     def settle(self, row: int, state: SequenceState) -> None:
-        """Score the proposals of `row` whose tokens `state` now holds; a finished sequence
-        drops the ones it cannot score."""
+        """Score the proposals of `row` that `state` now decides: every token committed, or
+        one that differs from the proposal (a round verifying it would stop there); a finished
+        sequence drops the ones it cannot score."""
         done, kept = state.done, []
         for kind, size, start, tokens in self._pending[row]:
-            if len(state.tokens) < start + len(tokens):
+            known = state.tokens[start : start + len(tokens)]
+            accepted = common_prefix(tokens, known)
+            if accepted == len(known) < len(tokens):  # no mismatch yet: wait for more tokens
                 if not done:
                     kept.append((kind, size, start, tokens))
                 continue
-            accepted = common_prefix(tokens, state.tokens[start : start + len(tokens)])
             if kind == "ngram":
                 self.planner.record_ngram(size, accepted)
             else:

@@ -52,6 +52,9 @@ class GenerationStats:
     # and the host seconds spent finding n-gram candidates (inside total_s).
     round_shapes: dict[str, int] = field(default_factory=dict)
     ngram_s: float = 0.0
+    # Tokens verified past the anchors, summed over the rounds (a round's width: the cost a
+    # CPU pays; plain decoding verifies none).
+    nodes_verified: int = 0
 
     @property
     def tau(self) -> float:
@@ -110,6 +113,7 @@ def sum_stats(parts: list[GenerationStats]) -> GenerationStats:
             "verify_s",
             "total_s",
             "ngram_s",
+            "nodes_verified",
         ):
             setattr(total, name, getattr(total, name) + getattr(part, name))
         for i, count in enumerate(part.accepted_at):

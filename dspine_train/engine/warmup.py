@@ -60,17 +60,27 @@ def warm_up(
             if engine.draft is not None:
                 engine.draft_cache = engine._draft_cache_for(batch)
                 engine.draft.crop_context(engine.draft_cache, engine.target.cache.lengths[:batch])
-            for g in gs:
+            # The chains verified: plain steps and the draft's chains (g in gs), and the n-gram
+            # branch alone (its widths); a round commits the verified features where a draft
+            # runs beside it (a speculative call with a draft), not in plain decoding.
+            alone = engine.draft is None or engine.adaptive  # else n-gram rounds are hybrid
+            chains = sorted(set(gs) | set((engine.ngram_widths() or []) if alone else []))
+            for g in chains:
                 block = torch.zeros(batch, g + 1, dtype=torch.long, device=engine.device)
                 fits = [b for b in buckets if b >= g + 1] or [engine.max_seq_len]
                 for kv in fits:
                     engine._target_step.prepare(block, kv_len=kv)
                 features, _ = engine._target_forward(block, kv_len=fits[0])
                 num_accepted = torch.zeros(batch, dtype=torch.long, device=engine.device)
-                commit_inputs = (num_accepted,) if g == 0 else (num_accepted, features)
-                engine._commit_step.prepare(*commit_inputs)
-                if not engine._commit_step.enabled:
-                    engine._commit_step(*commit_inputs)
+                variants = []
+                if engine.draft is None or (g == 0 and 0 in gs):
+                    variants.append((num_accepted,))
+                if engine.draft is not None and (g > 0 or engine.adaptive):
+                    variants.append((num_accepted, features))
+                for commit_inputs in variants:
+                    engine._commit_step.prepare(*commit_inputs)
+                    if not engine._commit_step.enabled:
+                        engine._commit_step(*commit_inputs)
             if engine.draft is not None and any(g > 0 for g in gs):
                 anchors = torch.zeros(batch, dtype=torch.long, device=engine.device)
                 draft_steps = [(engine._draft_step, (anchors,))]
@@ -116,7 +126,7 @@ def calibrate(engine: Engine, batch: int, num_draft_tokens: int, repeats: int = 
         return engine._costs[key]
     shapes = engine.round_shapes(num_draft_tokens)
     width = engine.ngram.num_tokens if engine.ngram is not None else 0
-    proposals = [(list(range(1, width + 1)), 1)] * batch
+    proposals = [(list(range(1, width + 1)), 1)] * batch  # full length: every width is timed
     sampler = Sampler(0.0, 1.0, torch.Generator(engine.device).manual_seed(0))
     timer = StepTimer(engine.device)  # the rounds' own sections; discarded
     seconds: dict[str, float] = {}
@@ -131,7 +141,7 @@ def calibrate(engine: Engine, batch: int, num_draft_tokens: int, repeats: int = 
                 round_of(engine, shape, anchors, 1, proposals, sampler, timer)
 
             one_round()  # untimed: compiles and captures on CUDA
-            seconds[shape.name] = median_ms(one_round, engine.device, repeats) / 1e3
+            seconds[shape.key] = median_ms(one_round, engine.device, repeats) / 1e3
         engine.target.cache.reset(engine.max_batch_size)
     engine._costs[key] = RoundCosts(seconds, batch)
     return engine._costs[key]
