@@ -11,7 +11,9 @@ An export directory (written by the trainer's export step) holds:
                           target verification), "acceptance_length_per_position" (list; entry
                           k-1 is the share of blocks whose first k drafted tokens were accepted), and
                           any other scalar entries (temperature, num_prompts, ...), all shown
-    training_info.json    optional; "recipe" (str) and "dataset" (str or list of str)
+    training_info.json    optional; "recipe" (str), "dataset" (str or list of str) and "budget"
+                          (the trainer's: optimizer_steps, sequences_seen, tokens_seen, epochs,
+                          global_batch_sequences, processes, wall_time_s; any other entry shown)
     (token table and any other files are uploaded as they are; dotfiles and dot-folders never;
     a symbolic link or another non-regular file refuses the whole push, naming it)
 
@@ -373,6 +375,34 @@ def _eval_section(eval_results: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+# The trainer's budget entries (training_info.json "budget"), as the card names them.
+_BUDGET_LABELS = {
+    "optimizer_steps": "optimizer steps",
+    "sequences_seen": "sequences seen",
+    "tokens_seen": "tokens seen (unpadded)",
+    "epochs": "epochs",
+    "global_batch_sequences": "global batch (sequences)",
+    "processes": "processes",
+    "wall_time_s": "wall time (s)",
+}
+
+
+def _budget_section(training_info: dict[str, Any]) -> list[str]:
+    """The training budget exactly as training_info.json records it."""
+    budget = training_info.get("budget")
+    if not isinstance(budget, dict) or not budget:
+        return [f"- budget: {NOT_RECORDED}"]
+
+    def shown(value: Any) -> str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"{value:,}"
+        return _format_value(value)
+
+    keys = [k for k in _BUDGET_LABELS if k in budget] + sorted(set(budget) - set(_BUDGET_LABELS))
+    rows = [(_BUDGET_LABELS.get(key, key), shown(budget[key])) for key in keys]
+    return ["", *markdown_table(["budget", "value"], rows)]
+
+
 def render_model_card(
     info: ExportInfo,
     *,
@@ -441,6 +471,7 @@ def render_model_card(
         "",
         f"- recipe: {recipe}",
         f"- data: {dataset}",
+        *_budget_section(info.training_info),
         "",
         "## Evaluation",
         "",

@@ -38,11 +38,14 @@ PREFIX = "step_"
 # Settings that may differ between a checkpoint and the run resuming it; every other key of
 # the resolved config shapes the run (its fingerprint), and a difference refuses the resume.
 # More steps (the warmup + cosine schedule is then recomputed for the new length), where
-# the outputs go, logging and the eval / checkpoint cadence, and plan_only's own settings.
+# the outputs go, logging and the eval / checkpoint cadence, the Hub upload of the final export,
+# and plan_only's own settings.
 RESUME_MAY_CHANGE = (
     "optim.max_steps", "optim.epochs",
     "output_dir", "checkpoint.dir", "checkpoint.resume_from", "checkpoint.every",
     "checkpoint.keep_last", "eval.every", "logging.*",
+    "export.push_to_hub", "export.push_private", "export.push_target_id", "export.push_endpoint",
+    "export.push_timeout",
     "plan_only", "gpu_memory_gib", "world_size", "logits_chunk_size",
 )
 

@@ -12,6 +12,7 @@ The draft fields of `ModelConfig` are not listed here: `_with_draft_fields` adds
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 import typing
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -339,15 +341,29 @@ class ExportFormat(StrEnum):
 
 @dataclass
 class ExportConfig:
-    """The exported drafts (`<output_dir>/final`, `<output_dir>/best`).
+    """The exported drafts (`<output_dir>/final`, `<output_dir>/best`) and their Hub upload.
 
     Attributes:
         format: "dspine" (default) or "dflash": what `python -m dspine_train.export
             --format` writes. "dflash" needs `model.method: dflash` (a DSpine draft has parts
             that DFlash loaders would drop); either format loads in this project's engine.
+        push_to_hub: a Hub model repository (ORG/NAME) the final export is uploaded to at the
+            end of the run, with its model card (`dspine_train.hub`); None: no upload. Needs a
+            token ($HF_TOKEN or `hf auth login`), checked before training.
+        push_private: create the repository private (an existing one keeps its visibility).
+        push_target_id: the target's Hub id (ORG/NAME) written into the uploaded config.json
+            and the card's base_model; needed when `model.target_path` is a local directory
+            (never uploaded). None: `model.target_path` when it is a Hub id.
+        push_endpoint: the Hub URL; None: $HF_ENDPOINT or huggingface.co.
+        push_timeout: seconds one HTTP request of the upload may go without progress.
     """
 
     format: ExportFormat = ExportFormat.dspine
+    push_to_hub: str | None = None
+    push_private: bool = True
+    push_target_id: str | None = None
+    push_endpoint: str | None = None
+    push_timeout: float = 60.0
 
 
 @dataclass
@@ -474,6 +490,7 @@ def validate_config(config: TrainConfig) -> None:
                           "the draft: set one of them")
     if config.data.target_topk < 0:
         raise ConfigError(f"data.target_topk must be >= 0, got {config.data.target_topk}")
+    _check_push(config)
     if config.model.target_dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(
             "model.target_dtype must be 'bfloat16', 'float16' or 'float32', "
@@ -496,3 +513,45 @@ def _check_dflash_export(model: ModelConfig) -> None:
             f"{', '.join(differ)} not DFlash's); DFlash loaders would drop its injection "
             "weights and run another network - use export.format: dspine"
         )
+
+
+def _check_push(config: TrainConfig) -> None:
+    """`export.push_*`: a valid repository id, a Hub id for a local target, a usable endpoint
+    and timeout, a format the Hub upload publishes; checked before any training."""
+    export = config.export
+    if export.push_to_hub is None:
+        return
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    from ..hub import hub_base_model
+
+    try:
+        validate_repo_id(export.push_to_hub)
+    except HFValidationError as err:
+        raise ConfigError(f"export.push_to_hub {export.push_to_hub!r}: not a Hub repository id "
+                          f"(ORG/NAME): {err}") from None
+    if "/" not in export.push_to_hub:
+        raise ConfigError(f"export.push_to_hub {export.push_to_hub!r}: give the namespace too "
+                          "(ORG/NAME or USER/NAME)")
+    if export.format != ExportFormat.dspine:
+        raise ConfigError(f"export.push_to_hub: the Hub upload publishes a dspine-format export "
+                          f"(its model card reads the dspine config), not "
+                          f"export.format: {export.format.value}")
+    if export.push_target_id is not None and hub_base_model(export.push_target_id) is None:
+        raise ConfigError(f"export.push_target_id {export.push_target_id!r}: not a Hub model id "
+                          "(ORG/NAME)")
+    target = config.model.target_path
+    local_target = config.model.tiny_random_target or hub_base_model(target) is None
+    if export.push_target_id is None and local_target:
+        raise ConfigError(
+            f"export.push_target_id: model.target_path {target!r} is a local path, which is "
+            "never uploaded; give the target's Hub id (export.push_target_id=ORG/NAME) for the "
+            "uploaded config.json and the model card")
+    if not (math.isfinite(export.push_timeout) and export.push_timeout > 0):
+        raise ConfigError(f"export.push_timeout must be a positive number of seconds, "
+                          f"got {export.push_timeout}")
+    if export.push_endpoint is not None:
+        url = urlsplit(export.push_endpoint)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ConfigError(f"export.push_endpoint {export.push_endpoint!r}: not an http(s) URL")

@@ -3,7 +3,9 @@
 `model.safetensors` + `config.json` in the format `export.format` names (`dspine_train.formats`:
 "dspine" is `save_pretrained` plus the DFlash keys, the token codes being a buffer of the draft;
 "dflash" is z-lab's DFlashDraftModel format, backbone only), a `token_table.safetensors` copy
-of the full table (dspine only), and `training_info.json`. The target's embedding and lm_head
+of the full table (dspine only), `training_info.json` (the recipe, its data and training budget)
+and, when the run evaluated, `eval_results.json` (the held-out acceptance; both read by the model
+card of `dspine_train.hub`). The target's embedding and lm_head
 are never part of it. Under ZeRO-3 the weights are gathered first (`accelerator.get_state_dict`,
 which relies on `stage3_gather_16bit_weights_on_model_save`).
 `DSpineDraftModel.from_pretrained(path)` reloads it bit-identically. Converting an export to
@@ -28,6 +30,7 @@ from .errors import TrainingError
 DRAFT_PREFIX = "draft."
 TOKEN_TABLE_FILE = "token_table.safetensors"
 INFO_FILE = "training_info.json"
+EVAL_RESULTS_FILE = "eval_results.json"
 
 
 def check_export_dirs(output_dir: Path, names: tuple[str, ...] = ("final", "best")) -> None:
@@ -49,9 +52,11 @@ def export_draft(
     token_table_path: Path,
     info: dict[str, Any],
     fmt: str = "dspine",
+    eval_results: dict[str, Any] | None = None,
 ) -> None:
     """Write the draft wrapped by `engine` (a prepared `DraftStep`) to `out_dir`.
 
+    `info` becomes training_info.json, `eval_results` (when given) eval_results.json.
     Every process must call this (ZeRO-3 gathers collectively); the main process writes into a
     temporary directory and swaps it in, so `out_dir` is always a whole export (the old one or
     the new one, never missing).
@@ -69,6 +74,8 @@ def export_draft(
         if fmt == "dspine":  # the DFlash format has no token codes
             shutil.copyfile(token_table_path, tmp / TOKEN_TABLE_FILE)
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str))
+        if eval_results is not None:
+            (tmp / EVAL_RESULTS_FILE).write_text(json.dumps(eval_results, indent=2))
         # the same marker as `python -m dspine_train.export`: either may replace this export
         write_marker(tmp, EXPORT_MARKER, "the trainer's export")
         replace_dir(tmp, out_dir)  # no moment without a whole export at out_dir

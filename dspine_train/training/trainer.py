@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import set_seed
@@ -44,6 +45,7 @@ from .draft_builder import build_draft, load_or_build_token_table
 from .draft_step import DraftStep
 from .draft_vocab import prune_draft_vocab, tokenizer_or_none
 from .errors import TrainingError
+from .hub_push import check_push_ready, push_final_export
 from .initialisation import from_dflash
 from .inputs import check_inputs
 from .offline_features import OfflineFeatures, cache_identity
@@ -80,6 +82,7 @@ class TrainResult:
     best_tau: float | None
     world_size: int
     is_main: bool
+    hub_commit: str | None = None  # the commit URL of `export.push_to_hub`'s upload
 
 
 class Trainer:
@@ -88,8 +91,10 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.output_dir = Path(config.output_dir)
+        self.started = time.perf_counter()
         # Everything that can be wrong with the inputs is checked before any process group,
         # weights or DeepSpeed exist.
+        check_push_ready(config.export)
         self.inputs = check_inputs(config)
         self.accelerator = acc = build_accelerator(config)
         self.is_main = acc.is_main_process
@@ -427,8 +432,15 @@ class Trainer:
         log.close()
         best = self.output_dir / "best" if state.best_step is not None else None
         self._write_rank_report(seen)
+        commit = None
+        if cfg.export.push_to_hub is not None and self.is_main:
+            # Last: a failed upload (TrainingError) leaves every output of the run in place.
+            print(f"uploading {self.output_dir / 'final'} to {cfg.export.push_to_hub} "
+                  f"({'private' if cfg.export.push_private else 'public'} if created)")
+            commit = push_final_export(self.output_dir / "final", cfg.export)
+            print(f"uploaded to {cfg.export.push_to_hub}: {commit}")
         return TrainResult(self.output_dir, self.output_dir / "final", best, state.step,
-                           state.best_tau, self.world, self.is_main)
+                           state.best_tau, self.world, self.is_main, commit)
 
     def _write_rank_report(self, seen: list[int]) -> None:
         """`ranks/rank<r>.json`: this process's share of the data and a digest of its weights.
@@ -500,13 +512,59 @@ class Trainer:
             "step": self.state.step,
             "target": self.config.model.target_path,
             "data": self.config.data.train_path,
+            "dataset": self.config.data.train_path,  # the model card's name for it
+            "budget": self._budget(),
             "tau": stats.tau if stats else None,
             "acceptance_by_position": stats.position_rates() if stats else None,
         }
         if isinstance(stats, BlockResults):
             info.update(tau_se=stats.tau_se, tau_se_row=stats.tau_se_row, blocks=stats.blocks)
         export_draft(self.accelerator, self.engine, out_dir, self.token_table_path, info,
-                     fmt=self.config.export.format.value)
+                     fmt=self.config.export.format.value, eval_results=self._eval_results(stats))
+
+    def _budget(self) -> dict[str, Any]:
+        """What the draft was trained on so far: optimizer steps, sequences and real tokens
+        drawn (exact, from the stream position: every global batch of every process), epochs,
+        the global batch, and this session's wall time (a resumed run names where it resumed)."""
+        position, per_epoch = self.state.position, self.stream.batches_per_epoch
+        lengths = self.train_batches.lengths  # (N,) tokens per row after the max_length cut
+        full, partial = divmod(position, per_epoch)
+        sequences, tokens = full * len(lengths), full * int(lengths.sum())
+        for index in range(full * per_epoch, position):  # the epoch under way
+            rows = self.stream.global_batch(index)
+            sequences, tokens = sequences + len(rows), tokens + int(lengths[rows].sum())
+        o = self.config.optim
+        budget: dict[str, Any] = {
+            "optimizer_steps": self.state.step,
+            "sequences_seen": sequences,
+            "tokens_seen": tokens,
+            "epochs": round(self.stream.epoch_of(position), 4),
+            "global_batch_sequences": self.config.data.batch_size * self.world * o.grad_accum_steps,
+            "processes": self.world,
+            "wall_time_s": round(time.perf_counter() - self.started, 1),
+        }
+        if self.resume_path is not None:
+            budget["wall_time_note"] = f"this session only (resumed at {self.resume_path.name})"
+        return budget
+
+    def _eval_results(self, stats: AcceptanceStats | BlockResults | None) -> dict[str, Any] | None:
+        """eval_results.json: the simulated acceptance on the held-out split, as the model card
+        reads it; None when the run measured none (no eval data, or no block evaluated)."""
+        if stats is None or not math.isfinite(stats.tau):
+            return None
+        results: dict[str, Any] = {
+            "acceptance_length": stats.tau,
+            "acceptance_length_per_position": stats.position_rates(),
+            "evaluation": "simulated on the held-out split: each drafted block checked "
+                          "against the target's greedy tokens (temperature 0)",
+            "step": self.state.step,
+        }
+        if isinstance(stats, BlockResults):
+            results.update(blocks=stats.blocks, acceptance_length_se=stats.tau_se,
+                           acceptance_length_se_by_row=stats.tau_se_row)
+        else:
+            results["blocks"] = int(stats.blocks)
+        return results
 
 
 def _count(module: torch.nn.Module) -> int:
