@@ -595,3 +595,49 @@ def test_a_loadable_export_passes_the_load_check(tmp_path):
     export = make_export(tmp_path / "export")
     info = hub.validate_export(export)
     assert info.config["block_size"] == 4
+
+
+# ------------------------------------------------------------------ the real client, loopback
+@pytest.fixture
+def loopback_hub(hf_env, monkeypatch):
+    """A writable loopback Hub (`tests/_hub_writable.py`) the real `HfApi` uploads to."""
+    from huggingface_hub import constants
+
+    from tests._hub_writable import WritableHub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    with WritableHub() as server:
+        yield server
+
+
+@pytest.mark.parametrize("flags, private", [([], True), (["--public"], False)])
+def test_the_real_client_uploads_to_a_loopback_hub(tmp_path, loopback_hub, capsys, flags,
+                                                   private):
+    """`test_push_creates_repo_and_uploads_with_card` through `HfApi` and HTTP: the repository
+    is created private unless --public, every export file arrives byte for byte, the card too."""
+    export = make_export(tmp_path / "export")
+    (export / "eval_results.json").write_text(json.dumps(
+        {"acceptance_length": 3.25, "acceptance_length_per_position": [0.9, 0.7, 0.5]}))
+    (export / "training_info.json").write_text(
+        json.dumps({"recipe": "qwen3_8b", "dataset": "sharegpt-regenerated"}))
+    argv = [export, "--repo-id", "org/dspine-qwen3-8b", "--commit-message", "v1",
+            "--endpoint", loopback_hub.url, "--timeout", "30", *flags]
+    assert run_main(argv, api_factory=None) == 0
+
+    repo = loopback_hub.models["org/dspine-qwen3-8b"]
+    assert repo.private is private
+    assert repo.commits == ["v1"]
+    assert loopback_hub.tokens == {TOKEN}
+    assert repo.files == {p.name: p.read_bytes() for p in export.iterdir()}  # README.md too
+    assert set(repo.files) == {"README.md", "config.json", "eval_results.json",
+                               "model.safetensors", "token_table.safetensors",
+                               "training_info.json"}
+    card = ModelCard(repo.files["README.md"].decode())
+    assert card.data.base_model == "Qwen/Qwen3-8B"
+    assert "Mean acceptance length: **3.250**" in card.text
+    assert "- recipe: qwen3_8b" in card.text and "- data: sharegpt-regenerated" in card.text
+    out, err = capsys.readouterr()
+    assert f"{loopback_hub.url}/org/dspine-qwen3-8b/commit/" in out
+    assert TOKEN not in out + err

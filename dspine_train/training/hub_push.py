@@ -44,7 +44,7 @@ def check_push_ready(export: ExportConfig) -> None:
         return
     from huggingface_hub import constants, get_token
 
-    if constants.HF_HUB_OFFLINE:
+    if constants.is_offline_mode():
         raise TrainingError(
             f"export.push_to_hub={export.push_to_hub}: the Hub is switched off in this "
             "environment (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set); unset it for the run, "
