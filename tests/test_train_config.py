@@ -108,3 +108,48 @@ def test_plan_device_picks_the_attention_path_the_plan_counts() -> None:
     assert cpu.item("attention masks (dense)").bytes == 8192 * 11264 * (1 + 5 * 2)
     assert gpu.item("attention block mask (flex)").bytes < 2**20
     assert memory_plan_for(compose_train_config("recipe=tiny")).attention_path == "dense"
+
+
+def test_hub_push_settings_compose_private_by_default() -> None:
+    c = compose_train_config("recipe=qwen3_8b", "export.push_to_hub=org/dspine-qwen3-8b")
+    assert c.export.push_to_hub == "org/dspine-qwen3-8b" and c.export.push_private is True
+    assert c.export.push_target_id is None  # the recipe's target is a Hub id already
+    assert compose_train_config("recipe=tiny").export.push_to_hub is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["export.push_to_hub=org/sub/name"], "export.push_to_hub 'org/sub/name': not a Hub repository id"),
+    (["export.push_to_hub='bad id'"], "export.push_to_hub 'bad id': not a Hub repository id"),
+    (["export.push_to_hub=name"], "export.push_to_hub 'name': give the namespace too"),
+    (["export.push_to_hub=org/n", "export.push_target_id=/ckpt/q"],
+     "export.push_target_id '/ckpt/q': not a Hub model id"),
+    (["export.push_to_hub=org/n", "export.push_timeout=0"],
+     "export.push_timeout must be a positive number of seconds"),
+    (["export.push_to_hub=org/n", "export.push_endpoint=huggingface.co"],
+     "export.push_endpoint 'huggingface.co': not an http\\(s\\) URL"),
+    (["export.push_to_hub=org/n", "export.format=dflash", "model.method=dflash"],
+     "export.push_to_hub: the Hub upload publishes a dspine-format export"),
+])
+def test_a_bad_hub_push_setting_is_refused_at_config_time(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compose_train_config("recipe=qwen3_8b", *overrides)
+
+
+def test_a_local_target_needs_a_hub_id_to_push() -> None:
+    """A local target path is never uploaded: the run must name the target's Hub id."""
+    with pytest.raises(ConfigError, match="export.push_target_id: model.target_path "
+                                          "'artifacts/tiny_target' is a local path"):
+        compose_train_config("recipe=tiny", "export.push_to_hub=org/tiny")
+    c = compose_train_config("recipe=tiny", "export.push_to_hub=org/tiny",
+                             "export.push_target_id=Qwen/Qwen3-0.6B")
+    assert c.export.push_target_id == "Qwen/Qwen3-0.6B"
+
+
+def test_cli_refuses_a_bad_repo_id_before_any_work(tmp_path: Path) -> None:
+    proc = run_train(["recipe=qwen3_8b", "export.push_to_hub=org/sub/name",
+                      f"output_dir={tmp_path}/out"])
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: export.push_to_hub 'org/sub/name': not a Hub repository id")
+    # nothing trained (Hydra's own record of the run aside)
+    assert {p.name for p in (tmp_path / "out").iterdir()} <= {"hydra", "train.log"}
