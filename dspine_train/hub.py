@@ -22,8 +22,9 @@ loads it (`check_loads`); an export that does not load is refused.
 
 The model card reports only what these files say; a missing measurement is written as
 "not measured", never estimated. Local absolute paths (a target or data file on this machine)
-appear in the card by their last component only. Uploaded JSON files carry none either
-(`public_json_files`): config.json's `target_name_or_path` is uploaded as the target's Hub id
+appear in the card by their last component only. Uploaded JSON files carry none either, nor the
+metadata of uploaded safetensors files (the token table records where it was built)
+(`public_files`): config.json's `target_name_or_path` is uploaded as the target's Hub id
 (given, or the recorded one when it is one; a local one without a given id is refused), other
 local paths by their last component. The export itself is left as it is (the engine reads it).
 
@@ -263,15 +264,39 @@ def upload_target_id(config: dict[str, Any], config_path: Path, target_id: str |
     )
 
 
-def public_json_files(export_dir: str | os.PathLike[str], target_id: str | None) -> dict[str, bytes]:
-    """What to upload instead of the export's JSON files that would carry a local path.
+def _public_safetensors(path: Path, clean: Callable[[Any], Any]) -> bytes | None:
+    """The safetensors file at `path` with `clean` applied to its header's `__metadata__`
+    values (the tensors' bytes unchanged), or None when that changes nothing."""
+    with path.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        try:
+            header = json.loads(handle.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ExportError(f"{path}: not a valid safetensors file, so its metadata cannot "
+                              f"be checked for local paths ({err})") from None
+        metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        if not isinstance(metadata, dict):
+            return None
+        cleaned = {key: clean(value) for key, value in metadata.items()}
+        if cleaned == metadata:
+            return None
+        header["__metadata__"] = cleaned
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # safetensors keeps the data 8-byte aligned
+        return len(raw).to_bytes(8, "little") + raw + handle.read()
 
-    In every uploaded `*.json`: config.json's `target_name_or_path`, and any value equal to its
-    recorded local path (training_info.json's target), become `upload_target_id`; any other
-    string that is a local absolute path becomes its last component, as in the card. Returns
-    {relative path: cleaned JSON bytes} for the files that change (the others are uploaded as
-    they are); the export is not modified. `ExportError` names a JSON file that cannot be read
-    or a target that has no Hub id.
+
+def public_files(export_dir: str | os.PathLike[str], target_id: str | None) -> dict[str, bytes]:
+    """What to upload instead of the export's files that would carry a local path.
+
+    In every uploaded `*.json`, and in the metadata of every uploaded `*.safetensors` (the
+    token table records the path it was built at): config.json's `target_name_or_path`, and
+    any value equal to its recorded local path (training_info.json's target), become
+    `upload_target_id`; any other string that is a local absolute path becomes its last
+    component, as in the card. Returns {relative path: cleaned bytes} for the files that
+    change (the others are uploaded as they are; a safetensors file keeps its tensors byte for
+    byte); the export is not modified. `ExportError` names a JSON file that cannot be read or
+    a target that has no Hub id.
     """
     root = Path(export_dir)
     config_path = root / CONFIG_FILE
@@ -292,6 +317,11 @@ def public_json_files(export_dir: str | os.PathLike[str], target_id: str | None)
 
     out = {}
     for name, _ in upload_files(root):
+        if name.endswith(".safetensors"):
+            content = _public_safetensors(root / name, clean)
+            if content is not None:
+                out[name] = content
+            continue
         if not name.endswith(".json"):
             continue
         try:
@@ -305,6 +335,12 @@ def public_json_files(export_dir: str | os.PathLike[str], target_id: str | None)
         if cleaned != data:
             out[name] = (json.dumps(cleaned, indent=2) + "\n").encode("utf-8")
     return out
+
+
+
+def public_json_files(export_dir: str | os.PathLike[str], target_id: str | None) -> dict[str, bytes]:
+    """`public_files` (its older name: it covers safetensors metadata too)."""
+    return public_files(export_dir, target_id)
 
 
 # --------------------------------------------------------------------------- model card
@@ -547,12 +583,12 @@ def push_export(
     The export is expected to have passed `validate_export` (which also loads the draft; the
     card is rendered from its result); links are refused here again, before any request.
     The files uploaded are exactly `upload_files(export_dir)` (no dotfiles), JSON files as
-    `public_json_files(export_dir, target_id)` cleans them (checked before any request). `endpoint`
+    `public_files(export_dir, target_id)` cleans them (checked before any request). `endpoint`
     defaults to $HF_ENDPOINT / huggingface.co; each request gives up after `timeout` seconds
     without progress and raises `HubError`. `api_factory` builds the Hub client (default
     `HfApi(token=..., endpoint=...)`); tests pass a fake. Returns the URL of the commit.
     """
-    public = public_json_files(export_dir, target_id)
+    public = public_files(export_dir, target_id)
     set_request_timeout(timeout)
     api = (api_factory or HfApi)(token=token, endpoint=endpoint)
     where = endpoint or getattr(api, "endpoint", None) or "the Hub"

@@ -641,3 +641,31 @@ def test_the_real_client_uploads_to_a_loopback_hub(tmp_path, loopback_hub, capsy
     out, err = capsys.readouterr()
     assert f"{loopback_hub.url}/org/dspine-qwen3-8b/commit/" in out
     assert TOKEN not in out + err
+
+
+def test_safetensors_metadata_carries_no_local_path(tmp_path, loopback_hub):
+    """The token table records the path it was built at: uploaded by its last component, the
+    tensors byte for byte; the local file is unchanged."""
+    from safetensors.numpy import load as load_bytes
+    from safetensors.numpy import load_file
+
+    export = make_export(tmp_path / "export")
+    table = export / "token_table.safetensors"
+    tensors = load_file(str(table))
+    save_file(tensors, str(table), metadata={"format": "dspine-token-table",
+                                             "source": f"{tmp_path}/cache/token_table.safetensors"})
+    local = table.read_bytes()
+    assert run_main([export, "--repo-id", "org/name", "--endpoint", loopback_hub.url],
+                    api_factory=None) == 0
+    uploaded = loopback_hub.models["org/name"].files["token_table.safetensors"]
+    assert str(tmp_path).encode() not in uploaded
+    size = int.from_bytes(uploaded[:8], "little")
+    assert json.loads(uploaded[8:8 + size])["__metadata__"] == {
+        "format": "dspine-token-table", "source": "token_table.safetensors"}
+    back = load_bytes(uploaded)
+    assert back.keys() == tensors.keys()
+    assert all(np.array_equal(back[k], tensors[k]) for k in tensors)
+    assert table.read_bytes() == local
+    # a file without local paths in its metadata is uploaded as it is
+    assert loopback_hub.models["org/name"].files["model.safetensors"] == (
+        export / "model.safetensors").read_bytes()
