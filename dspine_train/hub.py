@@ -1,5 +1,7 @@
 """Publish an exported DSpine draft on the Hugging Face Hub: validation, model card, upload.
 
+The card itself is rendered by `dspine_train.model_card` (re-exported here).
+
 `scripts/push_to_hub.py` is the command line; this module holds the logic so it can be tested
 with the Hub client replaced by a fake.
 
@@ -38,7 +40,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,29 +47,31 @@ from pathlib import Path
 from typing import Any
 
 import httpx2  # huggingface_hub's HTTP backend: its timeout and transport errors
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, set_client_factory
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub import CommitOperationAdd, HfApi, set_client_factory
 from huggingface_hub.utils._http import default_client_factory
 
 from dspine_train.checkpoint_io import SafetensorsWeights, WeightsError, write_text_atomic
-from dspine_train.markdown_table import markdown_table
+from dspine_train.model_card import (  # re-exported: the card is part of this module's API
+    CARD_TAGS,
+    EVAL_RESULTS_FILE,
+    LIBRARY_NAME,
+    LOCAL_PATH,
+    NOT_MEASURED,
+    NOT_RECORDED,
+    hub_base_model,
+    public_text,
+    render_model_card,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-EVAL_RESULTS_FILE = "eval_results.json"
 TRAINING_INFO_FILE = "training_info.json"
 CARD_FILE = "README.md"
-CARD_TAGS = ["speculative-decoding", "dspine", "draft-model"]
-LIBRARY_NAME = "dspine-train"
 DEFAULT_TIMEOUT_S = 60.0  # seconds one HTTP request may go without progress
-
-NOT_MEASURED = "not measured"
-NOT_RECORDED = "not recorded"
-# A POSIX absolute path (or ~/...) inside free text: not preceded by a word character, a dot,
-# a colon or a slash, so URLs, "org/name" ids and "3/4" are left alone.
-_LOCAL_PATH = re.compile(r"(?<![\w.:/~-])~?(?:/[^\s/`'\"|()<>]+)+/?")
+__all__ = ["CARD_TAGS", "LIBRARY_NAME", "NOT_MEASURED", "NOT_RECORDED", "ExportError",
+           "ExportInfo", "HubError", "check_loads", "hub_base_model", "public_files",
+           "public_text", "push_export", "render_model_card", "upload_files", "validate_export"]
 
 
 class ExportError(ValueError):
@@ -311,7 +314,7 @@ def public_files(export_dir: str | os.PathLike[str], target_id: str | None) -> d
             return [clean(item) for item in value]
         if isinstance(value, str) and value == recorded and target is not None:
             return target
-        if isinstance(value, str) and _LOCAL_PATH.fullmatch(value):
+        if isinstance(value, str) and LOCAL_PATH.fullmatch(value):
             return value.rstrip("/").rsplit("/", 1)[-1]
         return value
 
@@ -341,202 +344,6 @@ def public_files(export_dir: str | os.PathLike[str], target_id: str | None) -> d
 def public_json_files(export_dir: str | os.PathLike[str], target_id: str | None) -> dict[str, bytes]:
     """`public_files` (its older name: it covers safetensors metadata too)."""
     return public_files(export_dir, target_id)
-
-
-# --------------------------------------------------------------------------- model card
-def hub_base_model(name: str | None) -> str | None:
-    """`name` when it can be a Hub model id (and is not a local directory), else None."""
-    if not name or Path(name).expanduser().exists():
-        return None
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return None
-    return name
-
-
-def public_text(text: str) -> str:
-    """`text` with every local absolute path replaced by its last component."""
-
-    def last_component(match: re.Match[str]) -> str:
-        return match.group(0).rstrip("/").rsplit("/", 1)[-1]
-
-    return _LOCAL_PATH.sub(last_component, text)
-
-
-def _format_value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ", ".join(_format_value(v) for v in value)
-    return public_text(str(value))
-
-
-def _eval_section(eval_results: dict[str, Any] | None) -> list[str]:
-    """Measured results exactly as eval_results.json records them."""
-    if eval_results is None:
-        return [
-            f"Mean acceptance length: **{NOT_MEASURED}** (the export has no {EVAL_RESULTS_FILE}).",
-        ]
-    lines = []
-    tau = eval_results.get("acceptance_length")
-    if tau is None:
-        lines.append(
-            f"Mean acceptance length: **{NOT_MEASURED}** ({EVAL_RESULTS_FILE} has no "
-            "`acceptance_length`)."
-        )
-    else:
-        lines.append(
-            f"Mean acceptance length: **{tau:.3f}** tokens per target verification "
-            f"(from {EVAL_RESULTS_FILE})."
-        )
-    per_position = eval_results.get("acceptance_length_per_position")
-    if isinstance(per_position, list) and per_position:
-        lines += ["", *markdown_table(
-            ["k (drafted tokens)", *range(1, len(per_position) + 1)],
-            [["share of blocks with the first k accepted", *map(_format_value, per_position)]],
-        )]
-    scalars = {
-        key: value
-        for key, value in eval_results.items()
-        if key != "acceptance_length"
-        and isinstance(value, str | int | float)
-        and not isinstance(value, bool)
-    }
-    if scalars:
-        lines += ["", *markdown_table(
-            ["metric", "value"],
-            [(key, _format_value(value)) for key, value in sorted(scalars.items())],
-        )]
-    return lines
-
-
-# The trainer's budget entries (training_info.json "budget"), as the card names them.
-_BUDGET_LABELS = {
-    "optimizer_steps": "optimizer steps",
-    "sequences_seen": "sequences seen",
-    "tokens_seen": "tokens seen (unpadded)",
-    "epochs": "epochs",
-    "global_batch_sequences": "global batch (sequences)",
-    "processes": "processes",
-    "wall_time_s": "wall time (s)",
-}
-
-
-def _budget_section(training_info: dict[str, Any]) -> list[str]:
-    """The training budget exactly as training_info.json records it."""
-    budget = training_info.get("budget")
-    if not isinstance(budget, dict) or not budget:
-        return [f"- budget: {NOT_RECORDED}"]
-
-    def shown(value: Any) -> str:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return f"{value:,}"
-        return _format_value(value)
-
-    keys = [k for k in _BUDGET_LABELS if k in budget] + sorted(set(budget) - set(_BUDGET_LABELS))
-    rows = [(_BUDGET_LABELS.get(key, key), shown(budget[key])) for key in keys]
-    return ["", *markdown_table(["budget", "value"], rows)]
-
-
-def render_model_card(
-    info: ExportInfo,
-    *,
-    repo_id: str,
-    recipe: str | None = None,
-    dataset: str | None = None,
-    base_model: str | None = None,
-) -> str:
-    """The README.md of the Hub repository: YAML front matter, then what the export records.
-
-    `recipe`, `dataset` and `base_model` override what training_info.json / config.json say.
-    Numbers in the card come only from the export's files. The card is built by
-    huggingface_hub's `ModelCard` from a `ModelCardData` (which validates the metadata and
-    writes the front matter); local absolute paths appear by their last component only.
-    """
-    config = info.config
-    target = base_model or config.get("target_name_or_path")
-    hub_target = base_model or hub_base_model(target)
-    metadata = ModelCardData(library_name=LIBRARY_NAME, tags=list(CARD_TAGS), base_model=hub_target)
-    recorded_recipe = info.training_info.get("recipe")
-    recipe = recipe or (recorded_recipe if isinstance(recorded_recipe, str) else None)
-    recipe = public_text(recipe) if recipe else NOT_RECORDED
-    recorded_data = info.training_info.get("dataset")
-    if isinstance(recorded_data, list) and all(isinstance(d, str) for d in recorded_data):
-        recorded_data = ", ".join(recorded_data)
-    dataset = dataset or (recorded_data if isinstance(recorded_data, str) else None)
-    dataset = public_text(dataset) if dataset else NOT_RECORDED
-    target_text = f"`{public_text(target)}`" if target else NOT_RECORDED
-    if config.get("target_model_type"):
-        target_text += f" ({config['target_model_type']})"
-    layer_ids = config.get("target_layer_ids")
-
-    def field_of(key: str) -> str:
-        return _format_value(config[key]) if key in config else NOT_RECORDED
-
-    rows = [
-        ("target model", target_text),
-        ("draft layers", field_of("num_layers")),
-        ("target layers read (0-based)", _format_value(layer_ids) if layer_ids else NOT_RECORDED),
-        ("block size", field_of("block_size")),
-        ("block attention", field_of("block_attention")),
-        ("adjacent injection", field_of("injection")),
-        ("transfer dim / message size", f"{field_of('transfer_dim')} / {field_of('message_size')}"),
-        ("transition-cache candidates (K)", field_of("candidate_k")),
-        ("transition-cache decode", field_of("transition_cache")),
-        (
-            "weights",
-            f"{info.num_values:,} values in {info.num_tensors} tensors "
-            f"({', '.join(info.weight_files)})",
-        ),
-    ]
-    target_id = hub_target or "TARGET_MODEL"  # a local checkpoint is the reader's own
-    lines = [
-        f"# {repo_id.split('/')[-1]}",
-        "",
-        f"A DSpine draft model for lossless speculative decoding with {target_text} as the target. "
-        "One forward of the draft proposes a block of tokens, each position conditioned on its "
-        "predecessor's forming prediction; the target verifies the block in one forward, so the "
-        "output is the target's own.",
-        "",
-        "## Model",
-        "",
-        *markdown_table(["", ""], rows),
-        "",
-        "## Training",
-        "",
-        f"- recipe: {recipe}",
-        f"- data: {dataset}",
-        *_budget_section(info.training_info),
-        "",
-        "## Evaluation",
-        "",
-        *_eval_section(info.eval_results),
-        "",
-        "## Usage",
-        "",
-        "```python",
-        "import torch",
-        "from transformers import AutoModelForCausalLM",
-        "from dspine_train import DSpineDraftModel",
-        "",
-        f'target = AutoModelForCausalLM.from_pretrained("{target_id}", dtype=torch.bfloat16)',
-        f'draft = DSpineDraftModel.from_pretrained("{repo_id}", dtype=torch.bfloat16)',
-        "# The draft shares the target's frozen embedding and lm_head (not stored in this repo).",
-        "draft.bind_target(target.get_input_embeddings().weight,",
-        "                  target.get_output_embeddings().weight)",
-        "```",
-        "",
-        f"Trained and exported with {LIBRARY_NAME}; its README describes the speculative decoding "
-        "engine that runs this draft and the benchmark scripts.",
-        "",
-    ]
-    # The template only places the body after the front matter ModelCard renders from the
-    # metadata; ModelCard parses the result back, so invalid metadata raises here.
-    card = ModelCard.from_template(
-        metadata, template_str="---\n{{ card_data }}\n---\n\n{{ body }}", body="\n".join(lines)
-    )
-    return str(card)
 
 
 # --------------------------------------------------------------------------- upload

@@ -524,7 +524,7 @@ def _check_push(config: TrainConfig) -> None:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    from ..hub import hub_base_model
+    from ..model_card import hub_base_model
 
     try:
         validate_repo_id(export.push_to_hub)
