@@ -225,3 +225,22 @@ def test_the_retry_command_repeats_the_runs_settings() -> None:
         "--target-id Qwen/Qwen3-0.6B --endpoint http://hub.local:8080 --timeout 5")
     assert retry_command(Path("/r/final"), ExportConfig(push_to_hub=REPO_ID)) == (
         "python scripts/push_to_hub.py /r/final --repo-id org/tiny-dspine")
+
+
+def test_push_settings_do_not_shape_the_run() -> None:
+    """A checkpoint written before `export.push_*` existed, or with other push settings, resumes:
+    the settings are outside the run's fingerprint."""
+    from dataclasses import asdict
+
+    from dspine_train.training.checkpointing import config_differences, run_fingerprint
+    from dspine_train.training.config import compose_train_config
+
+    plain = asdict(compose_train_config("recipe=qwen3_8b"))
+    pushing = asdict(compose_train_config("recipe=qwen3_8b", "export.push_to_hub=org/n",
+                                          "export.push_private=false"))
+    older = {**plain, "export": {"format": plain["export"]["format"]}}  # before the push keys
+    assert run_fingerprint(plain) == run_fingerprint(pushing) == run_fingerprint(older)
+    assert config_differences(older, pushing) == []
+    changed = asdict(compose_train_config("recipe=qwen3_8b", "export.format=dspine",
+                                          "optim.lr=0.1"))
+    assert run_fingerprint(changed) != run_fingerprint(plain)  # a shaping key still counts
