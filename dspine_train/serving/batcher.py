@@ -190,6 +190,7 @@ class Batcher:
     def _run(self, batch: list[Job]) -> None:
         """One engine call for `batch` (its cancelled jobs dropped), events to each job."""
         jobs = [job for job in batch if not job.cancelled.is_set()]
+        self.metrics.cancelled.inc(len(batch) - len(jobs))
         if not jobs:
             return
         self.metrics.running.set(len(jobs))
@@ -232,5 +233,7 @@ class Batcher:
             tau = (len(tokens) - 1) / rounds if rounds else None
             if tau is not None:
                 self.metrics.acceptance_length.observe(tau)
+            if result.finish_reasons[row] == "cancelled":
+                self.metrics.cancelled.inc()
             self.metrics.latency.observe(done - job.queued_at)
             job.emit(Finished(tokens, result.finish_reasons[row], tau))

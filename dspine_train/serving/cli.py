@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serving_argument_problem(args: argparse.Namespace) -> str | None:
     """The first unusable flag, as a message naming it, or None."""
+    if args.batch_size < 1:  # the engine's check names its own flag, --batch-size
+        return f"--max-batch-size must be >= 1, got {args.batch_size}"
     problem = engine_argument_problem(args) or round_argument_problem(args)
     if problem:
         return problem

@@ -27,6 +27,9 @@ class ServerMetrics:
         self.requests = Counter(
             "dspine_requests", "Requests answered, by endpoint and HTTP status",
             ["endpoint", "status"], registry=r)
+        self.cancelled = Counter(
+            "dspine_requests_cancelled", "Requests whose client left before their end",
+            registry=r)
         self.prompt_tokens = Counter(
             "dspine_prompt_tokens", "Prompt tokens of the requests generated for", registry=r)
         self.generated_tokens = Counter(
