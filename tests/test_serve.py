@@ -231,13 +231,13 @@ def test_bad_requests_raise_in_the_openai_client(world):
 
 
 def _slow_server(world, **config) -> Server:
-    """A server whose engine takes 30 ms more per round: its requests stay in flight."""
+    """A server whose engine takes 30 ms more per token: its requests stay in flight."""
     engine = _engine(world["root"])
     generate = engine.generate
 
     def slow_generate(*args, on_tokens, **kwargs):
         def slow(row, tokens):
-            time.sleep(0.03)
+            time.sleep(0.03 * len(tokens))
             return on_tokens(row, tokens)
         return generate(*args, on_tokens=slow, **kwargs)
 
@@ -265,6 +265,12 @@ def test_a_client_leaving_mid_stream_leaves_the_server_healthy(world):
             assert time.monotonic() < deadline, "the abandoned request was not cancelled"
             time.sleep(0.01)
         assert _metric(server, "dspine_generated_tokens_total") < 40  # ended early
+        body.update(stream=False)  # a client giving up on a plain request is noticed too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+        while _metric(server, "dspine_requests_cancelled_total") < 2:
+            assert time.monotonic() < deadline + 10, "the abandoned request was not cancelled"
+            time.sleep(0.01)
         prompt = world["texts"][5]
         out = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
                                                 temperature=0)

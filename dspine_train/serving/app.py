@@ -56,6 +56,9 @@ class APIError(Exception):
             status, message, param, code, kind)
 
 
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is there
+
+
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     """The FastAPI app over `engine`; its worker starts and stops with the app's lifespan
     (shutdown finishes every queued and running request first)."""
@@ -156,8 +159,16 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             raise APIError(503, str(err), kind="server_error", code="shutting_down") from err
         return events
 
-    async def finished(job: Job, events: asyncio.Queue[Event]) -> Finished:
-        """Await the job's end, cancelling it if this handler is cancelled (client gone)."""
+    async def finished(job: Job, events: asyncio.Queue[Event], request: Request) -> Finished:
+        """Await the job's end; a client gone meanwhile (checked every `DISCONNECT_POLL_S`)
+        cancels it."""
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            job.cancel()
+
+        watcher = asyncio.create_task(watch())
         try:
             while True:
                 event = await events.get()
@@ -167,6 +178,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                     raise APIError(500, f"generation failed: {event.error}",
                                    kind="server_error")
         finally:
+            watcher.cancel()
             job.cancel()  # a no-op once finished
 
     def answer(endpoint: str, body: dict[str, Any]) -> JSONResponse:
@@ -174,7 +186,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(body)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         prompt = body.prompt
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -197,7 +209,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                     model=config.model_name)
         if body.stream:
             return stream(job, events, body, meta, chat=False, endpoint="/v1/completions")
-        end = await finished(job, events)
+        end = await finished(job, events, request)
         choice = {"index": 0, "text": final_text(tokenizer, end.token_ids, job.stop),
                   "finish_reason": FINISH_REASONS[end.finish_reason], "logprobs": None}
         if body.return_token_ids:
@@ -207,7 +219,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             "usage": usage(len(ids), len(end.token_ids), end.acceptance_length)})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "the served tokenizer has no chat template: use /v1/completions",
                            "messages")
@@ -227,7 +239,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if body.stream:
             return stream(job, events, body, dict(meta, object="chat.completion.chunk"),
                           chat=True, endpoint="/v1/chat/completions")
-        end = await finished(job, events)
+        end = await finished(job, events, request)
         content = final_text(tokenizer, end.token_ids, job.stop)
         choice = {"index": 0, "message": {"role": "assistant", "content": content},
                   "finish_reason": FINISH_REASONS[end.finish_reason], "logprobs": None}
