@@ -156,6 +156,19 @@ def test_chat_completion_equals_the_engine_alone(world):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == NEW
 
 
+def test_a_seeded_sampled_request_alone_is_the_engines_draw(world):
+    prompt = world["texts"][7]
+    ref = world["ref"].generate([prompt], max_new_tokens=NEW, temperature=1.0, top_p=0.9,
+                                chat=False, seed=5)
+    for _ in range(2):  # reproducible
+        out = world["client"].completions.create(
+            model=MODEL, prompt=prompt, max_tokens=NEW, temperature=1.0, top_p=0.9, seed=5,
+            extra_body={"return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == ref.token_ids[0]
+    greedy = _alone(world, prompt).token_ids[0]
+    assert ref.token_ids[0] != greedy  # the draw is not the greedy answer
+
+
 def test_stop_strings_end_the_answer_before_them(world):
     prompt = world["texts"][3]
     full = _alone(world, prompt)

@@ -133,7 +133,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             raise APIError(400, problem[1], problem[0])
         greedy = body.temperature == 0.0
         key = BatchKey(body.temperature, 1.0 if greedy else body.top_p,
-                       0 if greedy or body.seed is None else body.seed)
+                       None if greedy else body.seed)
         budget = max_tokens if max_tokens is not None else config.default_max_tokens
         stop = body.stop_list()
         try:

@@ -17,6 +17,7 @@ gone) is skipped if still queued, and ended at the next round if running.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -36,7 +37,7 @@ class BatchKey:
 
     temperature: float
     top_p: float
-    seed: int  # only when sampling; greedy rows all share 0
+    seed: int | None  # a sampling request's seed; None: greedy, or sampling with no seed
 
 
 @dataclass
@@ -210,7 +211,8 @@ class Batcher:
             temperature=key.temperature,
             top_p=key.top_p,
             stop=[job.stop for job in jobs],
-            seed=key.seed,
+            # Unseeded sampling draws a fresh seed per call (greedy ignores it).
+            seed=key.seed if key.seed is not None else random.randrange(2**62),
             on_tokens=on_tokens,
         )
         if self.speculative:
