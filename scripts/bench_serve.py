@@ -1,4 +1,4 @@
-"""Benchmark the OpenAI-compatible server at rising concurrency, with the `openai` client.
+r"""Benchmark the OpenAI-compatible server at rising concurrency, with the `openai` client.
 
     python scripts/bench_serve.py --prompts prompts.txt -- --target TARGET_DIR --draft DRAFT_DIR \
         [--device cuda --dtype bfloat16 --max-batch-size 16 ...]

@@ -1,4 +1,4 @@
-"""Command line: serve a target and a DSpine draft over OpenAI's HTTP API.
+r"""Command line: serve a target and a DSpine draft over OpenAI's HTTP API.
 
     python -m dspine_train.serving --target TARGET_DIR --draft DRAFT_DIR \
         [--host 127.0.0.1] [--port 8000] [--served-model-name NAME] \
