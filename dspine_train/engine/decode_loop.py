@@ -249,7 +249,9 @@ def _check_request(
     if len(ids) > engine.max_batch_size:
         raise GenerationInputError(
             f"{len(ids)} prompts exceed the engine's max_batch_size={engine.max_batch_size}")
-    for row, budget, row_stop in zip(ids, budgets, stops):  # each row's own cache room
+    # Each row's own cache room, the neediest row first (an error names the longest prompt).
+    rows = sorted(zip(ids, budgets, stops), key=lambda r: len(r[0]) + r[1], reverse=True)
+    for row, budget, row_stop in rows:
         check_request(
             [row], budget, temperature, top_p, row_stop, shapes,
             max_batch_size=engine.max_batch_size, has_tokenizer=engine.tokenizer is not None,
