@@ -123,11 +123,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     # ------------------------------------------------------------------ generation
-    def prepare(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> Job:
-        """Check `body` and build its job (not queued yet)."""
+    def check_model(body: SamplingFields) -> None:
+        """404 for a model id this server does not serve (checked before anything else)."""
         if body.model != config.model_name:
             raise APIError(404, f"model {body.model!r} is not served here (it serves "
                            f"{config.model_name!r})", "model", "model_not_found")
+
+    def prepare(body: SamplingFields, prompt_ids: list[int], max_tokens: int | None) -> Job:
+        """Check `body` and build its job (not queued yet)."""
         problem = body.unsupported()
         if problem:
             raise APIError(400, problem[1], problem[0])
@@ -187,6 +190,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body)
         prompt = body.prompt
         if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
@@ -220,6 +224,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "the served tokenizer has no chat template: use /v1/completions",
                            "messages")
