@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch pinned in the same command as deepspeed, or deepspeed pulls a CUDA torch.
-	$(PIP) install --quiet torch==2.13.0 -e ".[dev,prompts]"
+	$(PIP) install --quiet torch==2.13.0 -e ".[dev,prompts,serve]"
 	# z-lab's DFlash reference client, which tests/test_dflash_format.py loads our exports with.
 	# Without its dependencies: it pins datasets 5.0.1 and tqdm 4.70.0 against ours, and it
 	# imports only torch and transformers (see pyproject.toml, `dev`).
@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	# pulls torchvision/torchaudio. `import speculators` also imports its training stack, which
 	# needs loguru, openai and hs-connectors: pure Python, their own dependencies already ours
 	# (openai's distro and sniffio come with wandb; its jiter is imported only by its streaming
-	# parser, never here).
+	# parser, which the `serve` extra brings for the server's tests).
 	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 \
 		openai==2.54.0
 	touch $@

@@ -18,7 +18,7 @@ from _engine_helpers import (
     train_draft_briefly,
 )
 
-from dspine_train.engine import Engine, load_target
+from dspine_train.engine import Engine, GenerationInputError, load_target
 from scripts.tools.bench.oracle_draft import OracleDraft, OracleDraftConfig
 
 NEW = 24  # new tokens per prompt in the greedy tests
@@ -279,3 +279,40 @@ def test_sampling_is_reproducible_with_a_seed(world):
         for seed in (5, 5, 6)
     ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_per_row_budgets_stops_and_the_token_callback(world):
+    """Per-row `max_new_tokens` and `stop` give each row what it gets alone; `on_tokens` sees
+    exactly the committed tokens, in order, and returning True ends that row ("cancelled")."""
+    engine = _engine(world, "trained")
+    prompts = world["prompts"][:4]
+    tok = engine.tokenizer
+    full = engine.generate(prompts, max_new_tokens=NEW, chat=False)
+    row1 = full.token_ids[1]
+    stop_at = next(p for p in range(3, NEW) if tok.decode(row1[p : p + 1])
+                   and tok.decode(row1[p : p + 1]) not in tok.decode(row1[:p]))
+    stop_word = tok.decode(row1[stop_at : stop_at + 1])  # first met at row 1's token stop_at
+    budgets, stops = [3, NEW, 7, 11], [[], [stop_word], ["no such"], []]
+    seen: dict[int, list[int]] = {b: [] for b in range(4)}
+
+    def on_tokens(row, tokens):
+        seen[row].extend(tokens)
+        return row == 3 and len(seen[row]) >= 2  # cancel row 3 after its second token
+
+    batch = engine.generate(prompts, max_new_tokens=budgets, chat=False, stop=stops,
+                            on_tokens=on_tokens)
+    for b in range(3):
+        alone = engine.generate([prompts[b]], max_new_tokens=budgets[b], chat=False,
+                                stop=stops[b])
+        assert batch.token_ids[b] == alone.token_ids[0], b
+        assert batch.finish_reasons[b] == alone.finish_reasons[0], b
+        assert seen[b] == batch.token_ids[b], b
+    assert batch.finish_reasons[:3] == ["length", "stop", "length"]
+    assert batch.token_ids[1] == row1[: stop_at + 1]
+    assert batch.finish_reasons[3] == "cancelled"
+    assert seen[3] == batch.token_ids[3] and 2 <= len(batch.token_ids[3]) < 11
+    assert batch.token_ids[3] == full.token_ids[3][: len(batch.token_ids[3])]
+    with pytest.raises(GenerationInputError, match="2 values for 4 prompts"):
+        engine.generate(prompts, max_new_tokens=[1, 2], chat=False)
+    with pytest.raises(GenerationInputError, match="mixes strings and lists"):
+        engine.generate(prompts, chat=False, stop=["a", ["b"]])

@@ -84,6 +84,9 @@ RULES = {
     "data_prep imports no training module": Rule(("data_prep",), ("dspine_train.training",)),
     "data_prep imports no evaluation": Rule(("data_prep",), ("dspine_train.evaluation",)),
     "the engine imports no evaluation": Rule(("dspine_train/engine",), ("dspine_train.evaluation",)),
+    "the engine imports no server": Rule(("dspine_train/engine",), ("dspine_train.serving",)),
+    "the server imports no training stack or evaluation": Rule(
+        ("dspine_train/serving",), (*TRAINING_STACK, "dspine_train.evaluation")),
     "evaluation metrics import no training or engine": Rule(
         EVALUATION_CORE, ("dspine_train.training", "dspine_train.engine")),
     "training imports only evaluation metrics": Rule(

@@ -43,14 +43,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def add_engine_arguments(parser: argparse.ArgumentParser, prompts_required: bool = True) -> None:
     """Arguments shared by the CLI and `scripts/bench_engine.py` (whose `--compare` can take
     benchmarks instead of a prompts file)."""
-    parser.add_argument("--target", required=True, help="target model directory (HF layout)")
-    parser.add_argument("--draft", default=None, help="exported DSpine draft directory")
     parser.add_argument("--prompts", required=prompts_required,
                         help="prompts file (.jsonl or one per line)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: target)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per batch")
+    parser.add_argument("--seed", type=int, default=0)
+    add_model_arguments(parser)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments that build an `Engine` (checkpoints, device, caches, n-gram candidates),
+    shared with the server (`dspine_train.serving.cli`); `build_engine` also reads
+    `args.batch_size`, which each caller defines under its own flag."""
+    parser.add_argument("--target", required=True, help="target model directory (HF layout)")
+    parser.add_argument("--draft", default=None, help="exported DSpine draft directory")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: target)")
     parser.add_argument("--max-seq-len", type=int, default=None, help="cache length per sequence")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
@@ -60,7 +68,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser, prompts_required: bool
         help="weights dtype (default: the checkpoint's on CUDA, float32 on CPU)",
     )
     parser.add_argument("--no-cuda-graphs", action="store_true", help="run CUDA steps eager")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--chat-template-kwargs",
         default=None,
@@ -83,6 +90,44 @@ def add_engine_arguments(parser: argparse.ArgumentParser, prompts_required: bool
     ngram.add_argument("--adaptive", action="store_true",
                        help="verify per round the shape (plain step, n-gram, draft, both) with "
                        "the most expected tokens per second, by measured cost")
+
+
+def add_round_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a speculative round verifies (`--num-draft-tokens`, `--tree-*`, `--ar`); shared
+    with the server. Checked by `round_argument_problem`."""
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="draft tokens verified per round (default: block_size - 1)",
+    )
+    parser.add_argument("--ar", action="store_true", help="plain decoding even with a draft")
+    parser.add_argument(
+        "--tree-paths",
+        type=int,
+        default=1,
+        help="verify a token tree of this many lattice paths per round (greedy; 1: the chain)",
+    )
+    parser.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=None,
+        help="at most this many tree nodes per round (default: tree paths x draft tokens)",
+    )
+
+
+def round_argument_problem(args: argparse.Namespace) -> str | None:
+    """The first unusable `add_round_arguments` value, as a message naming the flag, or None."""
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        return f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}"
+    if args.tree_paths < 1:
+        return f"--tree-paths must be >= 1, got {args.tree_paths}"
+    if args.tree_nodes is not None and args.tree_nodes < 1:
+        return f"--tree-nodes must be >= 1, got {args.tree_nodes}"
+    if args.tree_nodes is not None and args.tree_paths == 1:
+        return (f"--tree-nodes {args.tree_nodes} sizes a token tree: it needs --tree-paths > 1 "
+                "(the chain verifies --num-draft-tokens nodes)")
+    return None
 
 
 def ngram_config(args: argparse.Namespace) -> NgramConfig | None:
@@ -171,15 +216,9 @@ def _generation_argument_problem(args: argparse.Namespace) -> str | None:
         return f"--temperature must be a finite number >= 0, got {args.temperature}"
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         return f"--top-p must be in (0, 1], got {args.top_p}"
-    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
-        return f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}"
-    if args.tree_paths < 1:
-        return f"--tree-paths must be >= 1, got {args.tree_paths}"
-    if args.tree_nodes is not None and args.tree_nodes < 1:
-        return f"--tree-nodes must be >= 1, got {args.tree_nodes}"
-    if args.tree_nodes is not None and args.tree_paths == 1:
-        return (f"--tree-nodes {args.tree_nodes} sizes a token tree: it needs --tree-paths > 1 "
-                "(the chain verifies --num-draft-tokens nodes)")
+    problem = round_argument_problem(args)
+    if problem:
+        return problem
     if "" in args.stop:
         return "--stop '': an empty stop string would end every answer after its first token"
     return None
@@ -242,25 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        default=None,
-        help="draft tokens verified per round (default: block_size - 1)",
-    )
-    parser.add_argument("--ar", action="store_true", help="plain decoding even with a draft")
-    parser.add_argument(
-        "--tree-paths",
-        type=int,
-        default=1,
-        help="verify a token tree of this many lattice paths per round (greedy; 1: the chain)",
-    )
-    parser.add_argument(
-        "--tree-nodes",
-        type=int,
-        default=None,
-        help="at most this many tree nodes per round (default: tree paths x draft tokens)",
-    )
+    add_round_arguments(parser)
     parser.add_argument("--output", default=None, help="write results and stats as JSON here")
     args = parser.parse_args(argv)
     problem = (

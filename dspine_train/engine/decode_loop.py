@@ -13,13 +13,14 @@ the state, this module the order in which a call drives it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from dspine_train.engine.acceptance import Acceptance, greedy_accept, rejection_accept
+from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.ngram import NgramIndex, pack_proposals
 from dspine_train.engine.prompts import Prompts, SequenceState, encode_prompts
 from dspine_train.engine.request_checks import check_request
@@ -37,8 +38,8 @@ class GenerationResult:
     """Output of `Engine.generate` / `Engine.generate_ar`, one entry per prompt.
 
     `token_ids` are the new tokens only (an EOS that ended a sequence is included, as in HF
-    `generate`); `finish_reasons` are "eos", "stop" or "length"; `texts` is None without a
-    tokenizer.
+    `generate`); `finish_reasons` are "eos", "stop" or "length" (or "cancelled", a row its
+    `on_tokens` callback ended); `texts` is None without a tokenizer.
     """
 
     token_ids: list[list[int]]
@@ -47,25 +48,65 @@ class GenerationResult:
     stats: GenerationStats
 
 
+# Called with (row, its new tokens) as a round commits them; True ends that row now.
+OnTokens = Callable[[int, list[int]], bool | None]
+MaxNewTokens = int | Sequence[int]
+Stops = Sequence[str] | Sequence[Sequence[str]]
+
+
+def per_row(
+    num_rows: int, max_new_tokens: MaxNewTokens, stop: Stops
+) -> tuple[list[int], list[list[str]]]:
+    """Each row's token budget and stop strings: one value for every row, or one per row.
+
+    `stop` is shared when its items are strings, per row when they are lists of strings."""
+    if isinstance(max_new_tokens, int):
+        budgets = [max_new_tokens] * num_rows
+    else:
+        budgets = [int(n) for n in max_new_tokens]
+        if len(budgets) != num_rows:
+            raise GenerationInputError(
+                f"max_new_tokens has {len(budgets)} values for {num_rows} prompts")
+    if isinstance(stop, str):
+        raise GenerationInputError(f"stop must be a list of strings, got the string {stop!r}")
+    if all(isinstance(s, str) for s in stop):
+        return budgets, [list(stop)] * num_rows
+    if any(isinstance(s, str) for s in stop):
+        raise GenerationInputError(
+            "stop mixes strings and lists: give one list for every row or one list per row")
+    stops = [list(s) for s in stop]
+    if len(stops) != num_rows or not all(isinstance(x, str) for s in stops for x in s):
+        raise GenerationInputError(
+            f"per-row stop must be {num_rows} lists of strings (one per prompt)")
+    return budgets, stops
+
+
 def run(
     engine: Engine,
     prompts: Prompts,
-    max_new_tokens: int,
+    max_new_tokens: MaxNewTokens,
     temperature: float,
     top_p: float,
     chat: bool,
-    stop: Sequence[str],
+    stop: Stops,
     num_draft_tokens: int,
     seed: int,
     speculative: bool,
+    on_tokens: OnTokens | None = None,
 ) -> GenerationResult:
-    """One `generate` (`speculative`, g = `num_draft_tokens`) or `generate_ar` call."""
+    """One `generate` (`speculative`, g = `num_draft_tokens`) or `generate_ar` call.
+
+    `max_new_tokens` and `stop` are shared by every row or given per row (`per_row`).
+    `on_tokens(row, tokens)`, if given, is called with each row's new tokens as they are
+    committed (the prefill's token, then each round's, after its bookkeeping: stop strings,
+    EOS and budget already applied); returning True ends that row at once (finish reason
+    "cancelled"). It adds no device sync: the round's tokens are on the host already."""
     ids = encode_prompts(
         prompts, engine.tokenizer, chat=chat, vocab_size=engine.target.config.vocab_size,
         chat_template_kwargs=engine.chat_template_kwargs,
     )
-    shapes = engine.round_shapes(num_draft_tokens) if speculative else []
-    _check_request(engine, ids, max_new_tokens, temperature, top_p, stop, shapes)
+    budgets, stops, shapes = check_call(
+        engine, ids, max_new_tokens, temperature, top_p, stop, num_draft_tokens, speculative)
     with_draft = engine.draft is not None and speculative
     stats = GenerationStats(mode="speculative" if speculative else "autoregressive")
     stats.num_sequences, stats.prompt_tokens = len(ids), sum(len(p) for p in ids)
@@ -83,7 +124,7 @@ def run(
     ledger = ProposalLedger(planner, len(ids)) if planner and planner.adaptive else None
     sampler = Sampler(temperature, top_p, torch.Generator(engine.device).manual_seed(seed))
     timer = StepTimer(engine.device)
-    states = [SequenceState(max_new_tokens, stop, engine.tokenizer) for _ in ids]
+    states = [SequenceState(n, s, engine.tokenizer) for n, s in zip(budgets, stops)]
     capture_before = engine._capture_seconds()
     start = time.perf_counter()
 
@@ -95,6 +136,8 @@ def run(
         running.fill_(True)
         for b, (state, token) in enumerate(zip(states, first, strict=True)):
             state.extend([token], ends_with_eos=token in engine.eos_token_ids)
+            if on_tokens is not None and on_tokens(b, [token]) and not state.done:
+                state.finish_reason = "cancelled"
             if state.done:
                 running[b] = False  # a scalar fill: no host-to-device copy
         engine._active[: len(ids)].copy_(running)
@@ -123,6 +166,12 @@ def run(
             starts = [len(s.tokens) for s in states]  # where this round's tokens begin
             for b in record_round(rows, states, committed, stats):
                 running[b] = False
+            if on_tokens is not None:
+                for b in live:
+                    new = states[b].tokens[starts[b]:]
+                    if new and on_tokens(b, new) and not states[b].done:
+                        states[b].finish_reason = "cancelled"
+                        running[b] = False
             if ledger is not None:
                 for b in live:
                     if proposals is not None and proposals[b][1] > 0:
@@ -164,13 +213,31 @@ def run(
     )
 
 
+def check_call(
+    engine: Engine,
+    ids: Sequence[Sequence[int]],
+    max_new_tokens: MaxNewTokens,
+    temperature: float,
+    top_p: float,
+    stop: Stops,
+    num_draft_tokens: int,
+    speculative: bool,
+) -> tuple[list[int], list[list[str]], list[RoundShape]]:
+    """Check a call on encoded prompts before any forward; its per-row budgets and stop
+    strings and the round shapes it may take."""
+    budgets, stops = per_row(len(ids), max_new_tokens, stop)
+    shapes = engine.round_shapes(num_draft_tokens) if speculative else []
+    _check_request(engine, [list(p) for p in ids], budgets, temperature, top_p, stops, shapes)
+    return budgets, stops, shapes
+
+
 def _check_request(
     engine: Engine,
     ids: list[list[int]],
-    max_new_tokens: int,
+    budgets: list[int],
     temperature: float,
     top_p: float,
-    stop: Sequence[str],
+    stops: list[list[str]],
     shapes: Sequence[RoundShape],
 ) -> None:
     """Reject a request the caches or settings cannot serve, before any forward."""
@@ -179,12 +246,18 @@ def _check_request(
     if engine.ngram is not None:
         tree, flags = f"{tree}, ngram tokens={engine.ngram.num_tokens}", f"{flags} / --ngram-tokens"
     tree = f"{tree}; CLI: {flags}"
-    check_request(
-        ids, max_new_tokens, temperature, top_p, stop, shapes,
-        max_batch_size=engine.max_batch_size, has_tokenizer=engine.tokenizer is not None,
-        max_seq_len=engine.max_seq_len,
-        positions=engine.target.config.max_position_embeddings, tree=tree,
-    )
+    if len(ids) > engine.max_batch_size:
+        raise GenerationInputError(
+            f"{len(ids)} prompts exceed the engine's max_batch_size={engine.max_batch_size}")
+    # Each row's own cache room, the neediest row first (an error names the longest prompt).
+    rows = sorted(zip(ids, budgets, stops), key=lambda r: len(r[0]) + r[1], reverse=True)
+    for row, budget, row_stop in rows:
+        check_request(
+            [row], budget, temperature, top_p, row_stop, shapes,
+            max_batch_size=engine.max_batch_size, has_tokenizer=engine.tokenizer is not None,
+            max_seq_len=engine.max_seq_len,
+            positions=engine.target.config.max_position_embeddings, tree=tree,
+        )
 
 
 def prefill(

@@ -40,7 +40,14 @@ import torch
 from dspine_train.chat_template import KWARGS_KEY, template_mismatch
 from dspine_train.engine.chain_draft import ChainDrafter
 from dspine_train.engine.cuda_graphs import StepCache
-from dspine_train.engine.decode_loop import GenerationResult, run
+from dspine_train.engine.decode_loop import (
+    GenerationResult,
+    MaxNewTokens,
+    OnTokens,
+    Stops,
+    check_call,
+    run,
+)
 from dspine_train.engine.errors import CheckpointError, GenerationInputError
 from dspine_train.engine.ngram import NgramConfig
 from dspine_train.engine.prompts import Prompts
@@ -217,40 +224,68 @@ class Engine:
     def generate(
         self,
         prompts: Prompts,
-        max_new_tokens: int = 128,
+        max_new_tokens: MaxNewTokens = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
         chat: bool = True,
         *,
-        stop: Sequence[str] = (),
+        stop: Stops = (),
         num_draft_tokens: int | None = None,
         seed: int = 0,
+        on_tokens: OnTokens | None = None,
     ) -> GenerationResult:
         """Speculative decoding: lossless w.r.t. `generate_ar` with the same arguments.
 
         `num_draft_tokens` (g) is how many of the block's `block_size - 1` proposals the target
         verifies per round; fewer can be faster where verifying is compute-bound (CPU).
+        `max_new_tokens` and `stop` may be given per prompt (a list of ints; a list of lists of
+        strings); `on_tokens(row, tokens)` sees each row's tokens as rounds commit them and
+        may end the row by returning True (see `decode_loop.run`).
         """
-        if self.draft is None and self.ngram is None:
-            raise GenerationInputError(
-                "this engine has no draft and no n-gram candidates (CLI: --ngram); use "
-                "generate_ar")
-        g = self._num_draft_tokens(num_draft_tokens)
-        return run(self, prompts, max_new_tokens, temperature, top_p, chat, stop, g, seed, True)
+        g = self._speculative_g(num_draft_tokens)
+        return run(self, prompts, max_new_tokens, temperature, top_p, chat, stop, g, seed, True,
+                   on_tokens)
 
     def generate_ar(
         self,
         prompts: Prompts,
-        max_new_tokens: int = 128,
+        max_new_tokens: MaxNewTokens = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
         chat: bool = True,
         *,
-        stop: Sequence[str] = (),
+        stop: Stops = (),
         seed: int = 0,
+        on_tokens: OnTokens | None = None,
     ) -> GenerationResult:
         """Plain autoregressive decoding with the same target and caches (the baseline)."""
-        return run(self, prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed, False)
+        return run(self, prompts, max_new_tokens, temperature, top_p, chat, stop, 0, seed, False,
+                   on_tokens)
+
+    def check_request(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        max_new_tokens: MaxNewTokens,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        *,
+        stop: Stops = (),
+        speculative: bool = True,
+        num_draft_tokens: int | None = None,
+    ) -> None:
+        """Raise `GenerationInputError` where `generate` (`speculative`) or `generate_ar` could
+        not serve these token-id prompts with these settings; runs nothing (a server checks
+        each request before batching it with others)."""
+        g = self._speculative_g(num_draft_tokens) if speculative else 0
+        check_call(self, prompt_ids, max_new_tokens, temperature, top_p, stop, g, speculative)
+
+    def _speculative_g(self, num_draft_tokens: int | None) -> int:
+        """g of a `generate` call; raises where the engine has nothing to propose with."""
+        if self.draft is None and self.ngram is None:
+            raise GenerationInputError(
+                "this engine has no draft and no n-gram candidates (CLI: --ngram); use "
+                "generate_ar")
+        return self._num_draft_tokens(num_draft_tokens)
 
     def _num_draft_tokens(self, num_draft_tokens: int | None) -> int:
         """g: the draft tokens verified per round (0 without a draft)."""
