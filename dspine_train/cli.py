@@ -76,7 +76,7 @@ EXAMPLE = """\
   dspine-train token-table --target artifacts/default_target \\
       --out artifacts/demo/token_table.safetensors
   dspine-train train recipe=qwen2.5_coder_0.5b $DATA
-  dspine-train export outputs/qwen2.5_coder_0.5b/final artifacts/dflash_draft --format dflash
+  dspine-train export outputs/qwen2.5_coder_0.5b/final artifacts/specforge_draft --format specforge
   dspine-train generate --target artifacts/default_target \\
       --draft outputs/qwen2.5_coder_0.5b/final --prompts prompts.txt
   dspine-train eval --target artifacts/default_target \\
