@@ -1,52 +1,15 @@
-"""Train a DSpine draft for a frozen target LLM.
+"""Train a DSpine draft for a frozen target LLM (the same command as `dspine-train train`).
 
     python train.py recipe=tiny                                   # CPU, under a minute
     accelerate launch train.py recipe=qwen3_8b                    # the published setting
     accelerate launch train.py recipe=qwen3_8b deepspeed=zero3 optim.lr=3e-4
     python train.py recipe=qwen3_8b plan_only=true world_size=8   # per-GPU memory, no weights
 
-Recipes live in `recipes/` (Hydra groups over the schema in dspine_train/training/config.py);
-any field can be overridden on the command line. Outputs go to `output_dir`: checkpoints/,
-metrics.jsonl, training_curves.png and the exports final/ and best/
-(`DSpineDraftModel.from_pretrained(<output_dir>/final)`).
+The main lives in `dspine_train/training/train.py` (its docstring says what a run writes);
+this file is the script `accelerate launch` runs.
 """
 
-from __future__ import annotations
-
-import sys
-
-import hydra
-from omegaconf import DictConfig
-
-from dspine_train.training.config import ConfigError, register_configs, to_train_config
-from dspine_train.training.errors import TrainingError
-from dspine_train.training.recipe_help import exit_on_help
-
-register_configs()
-
-
-@hydra.main(config_path="recipes", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Compose the recipe, then plan or train, build, export."""
-    try:
-        config = to_train_config(cfg)
-        if config.plan_only:
-            from dspine_train.training.memory_plan.for_recipe import memory_plan_for
-
-            print(memory_plan_for(config).table())
-            return
-        from dspine_train.training.trainer import run_training
-
-        result = run_training(config)
-    except (ConfigError, TrainingError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
-    if result.is_main:
-        print(f"done: {result.steps} steps; draft exported to {result.final_export}"
-              + (f"; best tau {result.best_tau:.3f} at {result.best_export}"
-                 if result.best_tau is not None else ""))
-
+from dspine_train.training.train import run
 
 if __name__ == "__main__":
-    exit_on_help(__doc__)  # before Hydra, which needs a recipe to compose its help
-    main()
+    run()

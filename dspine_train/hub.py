@@ -2,7 +2,7 @@
 
 The card itself is rendered by `dspine_train.model_card` (re-exported here).
 
-`scripts/push_to_hub.py` is the command line; this module holds the logic so it can be tested
+`dspine-train push` (`hub_cli.py`) is the command line; this module holds the logic so it can be tested
 with the Hub client replaced by a fake.
 
 An export directory (written by the trainer's export step) holds:

@@ -260,13 +260,11 @@ def test_engine_output_onto_an_input_is_refused_before_loading(world, tmp_path, 
 
 # ----------------------------------------------------------------------------- eval_acceptance
 def _eval_acceptance():
-    import importlib.util
+    """The module holding `dspine-train eval`'s main (`scripts/eval_acceptance.py` calls it),
+    whose `evaluate` the tests replace."""
+    from dspine_train.evaluation import cli
 
-    spec = importlib.util.spec_from_file_location("eval_acceptance",
-                                                  REPO / "scripts" / "eval_acceptance.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return cli
 
 
 @pytest.mark.parametrize("where", ["file", "in_draft", "foreign_results"])

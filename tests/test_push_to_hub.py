@@ -18,7 +18,7 @@ import pytest
 from huggingface_hub import ModelCard
 from safetensors.numpy import save_file
 
-from dspine_train import hub
+from dspine_train import hub, hub_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "push_to_hub.py"
@@ -339,7 +339,7 @@ def test_dry_run_prints_plan_and_card_without_network_or_writes(tmp_path, hf_env
     size = (export / "model.safetensors").stat().st_size
     assert f"model.safetensors  {size / 1024:.1f} KiB" in out
     table = (export / "token_table.safetensors").stat().st_size
-    assert f"token_table.safetensors  {push_script._size(table)}" in out
+    assert f"token_table.safetensors  {hub_cli._size(table)}" in out
     assert "README.md" in out and "config.json" in out
     assert "--- README.md ---" in out and "base_model: Qwen/Qwen3-8B" in out
     assert TOKEN not in out + err

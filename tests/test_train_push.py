@@ -185,8 +185,8 @@ def test_a_failed_push_keeps_the_export_and_the_retry_command_uploads_it(
     # the command the error names uploads the kept export (here to the loopback Hub)
     command = line.split("retry the upload with: ", 1)[1]
     argv = shlex.split(command)
-    assert argv[:2] == ["python", "scripts/push_to_hub.py"]
-    done = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True,
+    assert argv[:2] == ["dspine-train", "push"]  # the installed command, run as its module
+    done = subprocess.run([sys.executable, "-m", "dspine_train.cli", *argv[1:]], cwd=REPO, capture_output=True, text=True,
                           env=hub_env(loopback.url, tmp_path / "hf_home"), timeout=300)
     assert done.returncode == 0, done.stderr
     repo_id = argv[argv.index("--repo-id") + 1]
@@ -221,10 +221,10 @@ def test_the_retry_command_repeats_the_runs_settings() -> None:
     export = ExportConfig(push_to_hub=REPO_ID, push_private=False, push_target_id=TARGET_ID,
                           push_endpoint="http://hub.local:8080", push_timeout=5)
     assert retry_command(Path("/runs/a b/final"), export) == (
-        "python scripts/push_to_hub.py '/runs/a b/final' --repo-id org/tiny-dspine --public "
+        "dspine-train push '/runs/a b/final' --repo-id org/tiny-dspine --public "
         "--target-id Qwen/Qwen3-0.6B --endpoint http://hub.local:8080 --timeout 5")
     assert retry_command(Path("/r/final"), ExportConfig(push_to_hub=REPO_ID)) == (
-        "python scripts/push_to_hub.py /r/final --repo-id org/tiny-dspine")
+        "dspine-train push /r/final --repo-id org/tiny-dspine")
 
 
 def test_push_settings_do_not_shape_the_run() -> None:

@@ -3,7 +3,7 @@
 `check_push_ready` runs before any training: a run that would train for hours and then fail
 to upload for want of a token, or because the Hub is switched off ($HF_HUB_OFFLINE), stops
 at once. `push_final_export` runs on the main process after the final export (and its
-evaluation): it validates the export and renders the model card as `scripts/push_to_hub.py`
+evaluation): it validates the export and renders the model card as `dspine-train push`
 does (`dspine_train.hub`), then uploads. A failed upload keeps the export where it is and
 raises a `TrainingError` naming the repository and the command that retries it.
 """
@@ -18,7 +18,7 @@ from .config import ExportConfig
 from .errors import TrainingError
 
 # The command that uploads an export by hand (the retry of a failed push).
-PUSH_COMMAND = "python scripts/push_to_hub.py"
+PUSH_COMMAND = "dspine-train push"
 
 
 def retry_command(export_dir: Path, export: ExportConfig) -> str:
