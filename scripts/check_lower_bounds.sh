@@ -15,7 +15,7 @@ LOWER=(
     "datasets==5.1.0"
     "accelerate==1.10.0"
     "safetensors==0.8.0"
-    "tokenizers==0.23.1"
+    "tokenizers==0.23.3"
     "hydra-core==1.3.0"
     "omegaconf==2.3.0"
     "scikit-learn==1.6.1"
