@@ -13,7 +13,7 @@ LOWER=(
     "huggingface_hub==2.0.0"
     "httpx2==2.0.0"
     "datasets==5.1.0"
-    "accelerate==1.10.0"
+    "accelerate==1.13.0"
     "safetensors==0.8.0"
     "tokenizers==0.23.3"
     "hydra-core==1.3.0"
