@@ -13,11 +13,12 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install install-demo test lint demo bench gpu-check clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	# torch pinned in the same command as deepspeed, or deepspeed pulls a CUDA torch.
-	$(PIP) install --quiet torch==2.13.0 -e ".[dev,prompts,serve]"
+	# The exact versions come from constraints.txt (pyproject.toml holds only ranges); its
+	# torch pin applies to the whole command, or deepspeed would pull a CUDA torch.
+	$(PIP) install --quiet -c constraints.txt -e ".[dev,prompts,serve]"
 	# z-lab's DFlash reference client, which tests/test_dflash_format.py loads our exports with.
 	# Without its dependencies: it pins datasets 5.0.1 and tqdm 4.70.0 against ours, and it
 	# imports only torch and transformers (see pyproject.toml, `dev`).
@@ -35,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 $(VENV)/.installed-demo: $(VENV)/.installed
-	$(PIP) install --quiet torch==2.13.0 -e ".[dev,prompts,demo]"
+	$(PIP) install --quiet -c constraints.txt -e ".[dev,prompts,demo]"
 	touch $@
 
 install-demo: $(VENV)/.installed-demo

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
+
+from dspine_train.py_compat import StrEnum
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

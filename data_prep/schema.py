@@ -25,7 +25,9 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, Literal
+
+from dspine_train.py_compat import NotRequired, TypedDict
 
 Role = Literal["system", "user", "assistant"]
 

@@ -65,7 +65,7 @@ STEPS: tuple[Step, ...] = (
          "EXPORT_DIR --repo-id ORG/NAME: the export and a model card -> a Hugging Face Hub "
          "repository (--dry-run: the plan only)"),
     Step("serve", "dspine_train.serving.cli",
-         "target + draft -> an OpenAI-compatible HTTP server (docs/SERVING.md)"),
+         "--target DIR --draft DIR [--port N]: an OpenAI-compatible HTTP server (docs/SERVING.md)"),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)
 

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "scripts/ablate.py", *argv]),
         "git_commit": commit,
         "git_dirty": dirty,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {_device()}, "
                    f"{threads or 'default'} torch thread(s) per training, {args.jobs} training(s) "
                    f"at a time, {args.eval_threads or threads or 'default'} thread(s) for the "

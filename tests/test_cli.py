@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-import tomllib
 import types
 from pathlib import Path
 
 import pytest
+import tomllib
 from safetensors import safe_open
 
 from dspine_train import cli, token_table

@@ -17,7 +17,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import Enum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
+from ..py_compat import StrEnum
 
 # `recipes/` beside the package in a checkout: `train.py`'s Hydra config path
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"

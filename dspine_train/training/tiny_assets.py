@@ -126,8 +126,16 @@ def _sample(
         logits[:, TINY_USED_VOCAB:] = -torch.inf
         nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)  # (N, 1)
         tokens.append(nxt)
-        out = model(nxt, cache=out.cache, use_cache=True)
+        out = model(nxt, use_cache=True, **_returned_cache(out))
     return torch.cat(tokens, dim=1)
+
+
+def _returned_cache(out) -> dict[str, object]:
+    """The KV cache a forward returned, under the keyword the next forward takes it by: `cache`
+    from transformers 5.24 on, `past_key_values` before (the lower bound, 5.18, names it so)."""
+    if hasattr(out, "cache"):
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
 
 
 @torch.no_grad()
