@@ -22,7 +22,7 @@ PUSH_COMMAND = "dspine-train push"
 
 
 def retry_command(export_dir: Path, export: ExportConfig) -> str:
-    """The `push_to_hub.py` command line that uploads `export_dir` as this run would have."""
+    """The `dspine-train push` command line that uploads `export_dir` as this run would have."""
     args = [str(export_dir), "--repo-id", export.push_to_hub]
     if not export.push_private:
         args.append("--public")
