@@ -227,37 +227,22 @@ def check_call(
     strings and the round shapes it may take."""
     budgets, stops = per_row(len(ids), max_new_tokens, stop)
     shapes = engine.round_shapes(num_draft_tokens) if speculative else []
-    _check_request(engine, [list(p) for p in ids], budgets, temperature, top_p, stops, shapes)
+    check_request(
+        [list(p) for p in ids], budgets, temperature, top_p, stops, shapes,
+        max_batch_size=engine.max_batch_size, has_tokenizer=engine.tokenizer is not None,
+        max_seq_len=engine.max_seq_len, positions=engine.target.config.max_position_embeddings,
+        tree=_cache_settings(engine),
+    )
     return budgets, stops, shapes
 
 
-def _check_request(
-    engine: Engine,
-    ids: list[list[int]],
-    budgets: list[int],
-    temperature: float,
-    top_p: float,
-    stops: list[list[str]],
-    shapes: Sequence[RoundShape],
-) -> None:
-    """Reject a request the caches or settings cannot serve, before any forward."""
+def _cache_settings(engine: Engine) -> str:
+    """The settings that size a round's room in the caches, as an error names them."""
     tree = f"tree_paths={engine.tree_paths}, tree_nodes={engine.tree_nodes}"
     flags = "--tree-paths / --tree-nodes"
     if engine.ngram is not None:
         tree, flags = f"{tree}, ngram tokens={engine.ngram.num_tokens}", f"{flags} / --ngram-tokens"
-    tree = f"{tree}; CLI: {flags}"
-    if len(ids) > engine.max_batch_size:
-        raise GenerationInputError(
-            f"{len(ids)} prompts exceed the engine's max_batch_size={engine.max_batch_size}")
-    # Each row's own cache room, the neediest row first (an error names the longest prompt).
-    rows = sorted(zip(ids, budgets, stops), key=lambda r: len(r[0]) + r[1], reverse=True)
-    for row, budget, row_stop in rows:
-        check_request(
-            [row], budget, temperature, top_p, row_stop, shapes,
-            max_batch_size=engine.max_batch_size, has_tokenizer=engine.tokenizer is not None,
-            max_seq_len=engine.max_seq_len,
-            positions=engine.target.config.max_position_embeddings, tree=tree,
-        )
+    return f"{tree}; CLI: {flags}"
 
 
 def prefill(

@@ -122,10 +122,10 @@ def check_warmup(
 
 def check_request(
     ids: list[list[int]],
-    max_new_tokens: int,
+    budgets: Sequence[int],
     temperature: float,
     top_p: float,
-    stop: Sequence[str],
+    stops: Sequence[Sequence[str]],
     shapes: Sequence[RoundShape],
     *,
     max_batch_size: int,
@@ -134,22 +134,27 @@ def check_request(
     positions: int,
     tree: str,
 ) -> None:
-    """A generation request: prompt count, budget, sampling settings, stop strings, and room in
-    the caches for the widest of its round `shapes` (`tree` names the settings that size it)."""
+    """A generation request, one budget and one list of stop strings per row: prompt count,
+    sampling settings, then each row's budget, stop strings and room in the caches for the
+    widest of its round `shapes` (`tree` names the settings that size it), the neediest row
+    first, so that an error names the longest prompt."""
     if len(ids) > max_batch_size:
         raise GenerationInputError(
             f"{len(ids)} prompts exceed the engine's max_batch_size={max_batch_size}")
-    if max_new_tokens < 1:
-        raise GenerationInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_sampling(temperature, top_p)
-    if stop and not has_tokenizer:
-        raise GenerationInputError("stop strings need a tokenizer")
-    if any(not s for s in stop):  # "" is in every text: each answer would stop at once
-        raise GenerationInputError(
-            "an empty stop string (CLI: --stop '') would end every answer after its first "
-            "token; give a non-empty string")
     widest = max(shapes, key=lambda s: s.nodes, default=RoundShape("plain", 0))
     chain = max((s.draft_depth for s in shapes), default=0)
     is_tree = widest.name in ("tree", "hybrid", "ngram")
-    check_prompts_fit(max(len(p) for p in ids), max_new_tokens, widest.nodes, chain, max_seq_len,
-                      positions, tree if is_tree else None)
+    rows = sorted(zip(ids, budgets, stops, strict=True), key=lambda r: len(r[0]) + r[1],
+                  reverse=True)
+    for row, max_new_tokens, stop in rows:
+        if max_new_tokens < 1:
+            raise GenerationInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if stop and not has_tokenizer:
+            raise GenerationInputError("stop strings need a tokenizer")
+        if any(not s for s in stop):  # "" is in every text: each answer would stop at once
+            raise GenerationInputError(
+                "an empty stop string (CLI: --stop '') would end every answer after its first "
+                "token; give a non-empty string")
+        check_prompts_fit(len(row), max_new_tokens, widest.nodes, chain, max_seq_len,
+                          positions, tree if is_tree else None)
