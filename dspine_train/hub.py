@@ -71,7 +71,8 @@ CARD_FILE = "README.md"
 DEFAULT_TIMEOUT_S = 60.0  # seconds one HTTP request may go without progress
 __all__ = ["CARD_TAGS", "LIBRARY_NAME", "NOT_MEASURED", "NOT_RECORDED", "ExportError",
            "ExportInfo", "HubError", "check_loads", "hub_base_model", "public_files",
-           "public_text", "push_export", "render_model_card", "upload_files", "validate_export"]
+           "public_text", "push_export", "render_model_card", "scrub_token", "upload_files",
+           "validate_export"]
 
 
 class ExportError(ValueError):
@@ -351,6 +352,12 @@ def write_card(export_dir: str | os.PathLike[str], card: str) -> Path:
     """Write `card` as README.md of the export, atomically (no half-written card on failure)."""
     target = Path(export_dir) / CARD_FILE
     return write_text_atomic(target, card)
+
+
+def scrub_token(err: BaseException, token: str | None) -> str:
+    """`err` as one line for an error message, with `token` (if any) replaced by `***`."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    return message.replace(token, "***") if token else message
 
 
 def set_request_timeout(seconds: float) -> None:

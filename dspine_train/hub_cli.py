@@ -34,6 +34,8 @@ from huggingface_hub.utils import validate_repo_id
 
 from dspine_train import hub
 
+PROG = "dspine-train push"  # the name its usage and error lines give (scripts/push_to_hub.py too)
+
 
 def _size(num_bytes: int) -> str:
     """Human-readable size: 512 B, 3.2 KiB, 1.4 GiB."""
@@ -45,7 +47,7 @@ def _size(num_bytes: int) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="push_to_hub.py", description="Upload a DSpine export to the Hugging Face Hub."
+        prog=PROG, description="Upload a DSpine export to the Hugging Face Hub."
     )
     parser.add_argument("export_dir", help="directory written by the trainer's export step")
     parser.add_argument("--repo-id", required=True, help="ORG/NAME of the model repository")
@@ -116,14 +118,14 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
     args = _parser().parse_args(argv)
     problem = _argument_error(args)
     if problem:
-        print(f"push_to_hub.py: error: {problem}", file=sys.stderr)
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     target_id = args.target_id or args.base_model
     try:
         info = hub.validate_export(args.export_dir)
         public = hub.public_json_files(info.path, target_id)  # no local path is uploaded
     except hub.ExportError as err:
-        print(f"push_to_hub.py: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     card = hub.render_model_card(
         info,
@@ -153,7 +155,7 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
 
     if not token:
         print(
-            "push_to_hub.py: error: no Hugging Face token: set HF_TOKEN or run `hf auth login`",
+            f"{PROG}: error: no Hugging Face token: set HF_TOKEN or run `hf auth login`",
             file=sys.stderr,
         )
         return 2
@@ -171,9 +173,8 @@ def main(argv: Sequence[str] | None = None, api_factory: Callable[..., Any] | No
             target_id=target_id,
         )
     except Exception as err:  # any Hub/network failure (hub.HubError: no answer in time)
-        # One line, and never the token.
-        message = " ".join(str(err).replace(token, "***").split())
-        print(f"push_to_hub.py: error: upload to {args.repo_id} failed: {message}", file=sys.stderr)
+        print(f"{PROG}: error: upload to {args.repo_id} failed: {hub.scrub_token(err, token)}",
+              file=sys.stderr)
         return 1
     print(f"uploaded {info.path} to {args.repo_id}: {url}")
     return 0

@@ -241,5 +241,5 @@ def test_push_to_hub_rejects_bad_exports(export, capsys, case):
 
     assert push_to_hub.main([str(export), "--repo-id", "org/name"], api_factory=no_client) == 2
     line = one_error_line(capsys)
-    assert line.startswith("push_to_hub.py: error: ") and expected in line, line
+    assert line.startswith("dspine-train push: error: ") and expected in line, line
     assert files_under(export.parent) == before  # no model card written

@@ -305,7 +305,7 @@ def test_a_local_target_without_a_hub_id_is_refused(tmp_path, hf_env, capsys):
     for extra in ([], ["--dry-run"]):
         assert run_main([export, "--repo-id", "org/name", *extra], api_factory=no_client) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"push_to_hub.py: error: {export / 'config.json'}: target_name_or_path "
+        assert err == [f"dspine-train push: error: {export / 'config.json'}: target_name_or_path "
                        f"'{target}' is a local path, which is never uploaded; give the target's "
                        "Hub id with --target-id ORG/NAME"]
     assert sorted(export.rglob("*")) == before  # no card written either
@@ -467,11 +467,11 @@ def test_an_endpoint_that_never_answers_fails_with_a_clear_error(tmp_path, silen
     else:
         env["HF_ENDPOINT"] = silent_endpoint
     # Without request timeouts this waits forever; the subprocess limit only bounds the test.
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line == (
-        f"push_to_hub.py: error: upload to org/name failed: {silent_endpoint} did not answer "
+        f"dspine-train push: error: upload to org/name failed: {silent_endpoint} did not answer "
         "within 1 s (ReadTimeout); check the endpoint and the network, or raise --timeout"
     )
     assert TOKEN not in done.stdout + done.stderr
@@ -517,7 +517,7 @@ def test_links_in_the_export_refuse_the_push(tmp_path, hf_env, capsys, extra):
     assert run_main([export, "--repo-id", "org/name", *extra]) == 2
     out, err = capsys.readouterr()
     (line,) = err.strip().splitlines()
-    assert line.startswith(f"push_to_hub.py: error: {export}: ")
+    assert line.startswith(f"dspine-train push: error: {export}: ")
     for name in ("notes.txt", "extra/data", "gone.json"):
         assert name in line
     assert "passwd" not in out and "root:x" not in out
@@ -582,7 +582,7 @@ def test_an_export_the_engine_cannot_load_is_refused(tmp_path, hf_env, capsys, e
     assert run_main([export, "--repo-id", "org/name", *extra]) == 2
     out, err = capsys.readouterr()
     (line,) = err.strip().splitlines()
-    assert line.startswith("push_to_hub.py: error: the draft does not load as the engine "
+    assert line.startswith("dspine-train push: error: the draft does not load as the engine "
                            f"loads it: {export}"), line
     if named:
         assert named in line

@@ -78,10 +78,8 @@ def push_final_export(export_dir: Path, export: ExportConfig) -> str:
             commit_message="Upload DSpine draft (dspine-train)", endpoint=export.push_endpoint,
             timeout=export.push_timeout, target_id=export.push_target_id)
     except Exception as err:  # noqa: BLE001 -- any failure leaves the export for a retry
-        message = " ".join(str(err).split()) or type(err).__name__
-        if token:
-            message = message.replace(token, "***")
         raise TrainingError(
-            f"export.push_to_hub: uploading {export_dir} to {repo} failed: {message}. "
+            f"export.push_to_hub: uploading {export_dir} to {repo} failed: "
+            f"{hub.scrub_token(err, token)}. "
             f"The export is kept at {export_dir}; retry the upload with: "
             f"{retry_command(export_dir, export)}") from err
