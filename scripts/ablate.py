@@ -1,4 +1,4 @@
-"""The ablation study (METHOD 2.5): DFlash, DSpine and DSpine with one part off, same budget.
+r"""The ablation study (METHOD 2.5): DFlash, DSpine and DSpine with one part off, same budget.
 
 Trains every variant on the same target, data, steps, batch, anchors and seed (the target's
 features are computed once into an offline cache that all runs share), evaluates each export

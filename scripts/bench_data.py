@@ -1,4 +1,4 @@
-"""Benchmark the data pipeline on the embedded default target (needs the demo extra).
+r"""Benchmark the data pipeline on the embedded default target (needs the demo extra).
 
     python -m data_prep.default_target          # once
     python scripts/bench_data.py [--rows 2000] [--prompts 16] [--max-new-tokens 32] \

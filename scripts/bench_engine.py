@@ -1,4 +1,4 @@
-"""Benchmark the engine: plain decoding vs DSpine speculative decoding on the same prompts.
+r"""Benchmark the engine: plain decoding vs DSpine speculative decoding on the same prompts.
 
     python scripts/bench_engine.py --target TARGET_DIR --draft DRAFT_DIR --prompts prompts.txt \
         [--max-new-tokens 128] [--batch-sizes 1 8] [--num-draft-tokens 3 7 15] \

@@ -1,4 +1,4 @@
-"""Measure exported DSpine drafts: the same command as `dspine-train eval`.
+r"""Measure exported DSpine drafts: the same command as `dspine-train eval`.
 
     python scripts/eval_acceptance.py --target artifacts/default_target \
         --draft artifacts/demo/train/final --bench humaneval,sharegpt --out artifacts/eval

@@ -1,4 +1,4 @@
-"""Command line: generate with a target and a DSpine draft, print texts and speed.
+r"""Command line: generate with a target and a DSpine draft, print texts and speed.
 
     python -m dspine_train.engine --target TARGET_DIR --draft DRAFT_DIR --prompts prompts.txt \
         [--max-new-tokens 128] [--temperature 0] [--top-p 1] [--no-chat] [--stop "###"] \

@@ -1,4 +1,4 @@
-"""Measure exported DSpine drafts with the inference engine: tau, per-position acceptance, speed.
+r"""Measure exported DSpine drafts with the inference engine: tau, per-position acceptance, speed.
 
     dspine-train eval --target artifacts/default_target \
         --draft artifacts/demo/train/final --bench humaneval,sharegpt,my_prompts.jsonl \
