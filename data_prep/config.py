@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
 
 from dspine_train.py_compat import StrEnum
+from dspine_train.recipe_files import RECIPES_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,8 +330,8 @@ def register_configs() -> None:
 
 register_configs()
 
-# Hydra resolves ``config_path`` relative to the calling module: data_prep/ -> recipes/.
-RECIPES_PATH = "../recipes"
+# The recipes' directory (a checkout's `recipes/` or the installed package's copy), absolute.
+RECIPES_PATH = str(RECIPES_DIR)
 
 
 def to_data_config(node: Any) -> DataConfig:

@@ -8,6 +8,7 @@ The installed script is `dspine_train.cli:main`; the tests run it as `python -m 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -35,7 +36,7 @@ OWN_HELP = {
     "export": "usage: python -m dspine_train.export",
     "generate": "usage: python -m dspine_train.engine",
     "eval": "usage: dspine-train eval",
-    "push": "usage: push_to_hub.py",
+    "push": "usage: dspine-train push",
 }
 
 
@@ -120,10 +121,13 @@ def test_project_scripts_entry_is_the_dispatcher() -> None:
 
 
 def test_every_step_module_is_packaged() -> None:
-    """The installed command imports only the packaged tree (`dspine_train*`, `data_prep*`),
-    never `scripts/` (not installed)."""
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"]["find"]["include"]
+    """The installed command imports only the packaged tree (`dspine_train*`, `data_prep*`:
+    setup.py's `find_packages(include=...)`), never `scripts/` (not installed)."""
+    calls = [node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "find_packages"]
+    (include,) = [ast.literal_eval(k.value) for k in calls[0].keywords if k.arg == "include"]
+    packages = list(include)
+    assert packages and all(p.endswith("*") for p in packages)
     for step in cli.STEPS:
         assert any(step.module.split(".")[0] == p.rstrip("*") for p in packages), step
 

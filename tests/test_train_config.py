@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +156,44 @@ def test_cli_refuses_a_bad_repo_id_before_any_work(tmp_path: Path) -> None:
     assert line.startswith("error: export.push_to_hub 'org/sub/name': not a Hub repository id")
     # nothing trained (Hydra's own record of the run aside)
     assert {p.name for p in (tmp_path / "out").iterdir()} <= {"hydra", "train.log"}
+
+
+def test_a_recipe_finds_its_files_from_another_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model.target_config_path: targets/qwen3_8b` is read under the recipes when the working
+    directory has no such path (an installed package run from anywhere)."""
+    from dspine_train.recipe_files import RECIPES_DIR, resolve_recipe_path
+    from dspine_train.training.memory_plan.for_recipe import plan_target_config
+
+    config = compose_train_config("recipe=qwen3_8b")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_recipe_path(config.model.target_config_path) == (
+        RECIPES_DIR / "targets" / "qwen3_8b")
+    assert plan_target_config(config).num_hidden_layers == 36
+    (tmp_path / "targets" / "qwen3_8b").mkdir(parents=True)  # the working directory's wins
+    assert resolve_recipe_path("targets/qwen3_8b") == Path("targets/qwen3_8b")
+
+
+def test_without_a_checkout_the_recipes_come_from_the_installed_package(tmp_path: Path) -> None:
+    """`recipe_files.recipes_dir` as it runs in a wheel install: no `recipes/` beside the
+    package, the copy inside it; with neither, an error naming both places."""
+    package = tmp_path / "site" / "dspine_train"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "recipe_files.py").write_text(
+        (REPO / "dspine_train" / "recipe_files.py").read_text())
+    probe = "import dspine_train.recipe_files as r; print(r.RECIPES_DIR)"
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(package.parent)})
+
+    missing = run()
+    assert missing.returncode != 0
+    assert f"neither {tmp_path / 'site' / 'recipes'}" in missing.stderr
+    assert str(package / "recipes") in missing.stderr
+    (package / "recipes").mkdir()
+    (package / "recipes" / "config.yaml").write_text("defaults: []\n")
+    found = run()
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(package / "recipes")

@@ -18,7 +18,6 @@ import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,9 +27,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
 from ..py_compat import StrEnum
-
-# `recipes/` beside the package in a checkout: `train.py`'s Hydra config path
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+from ..recipe_files import RECIPES_DIR  # `train.py`'s Hydra config path
 
 
 class ConfigError(ValueError):
@@ -130,7 +127,8 @@ class ModelConfig:
     Attributes:
         target_path: a Hugging Face causal LM (local directory or Hub id; safetensors weights).
         target_config_path: a directory or config.json describing the target, read by
-            `plan_only` when `target_path` is not available locally. None: `target_path`.
+            `plan_only` when `target_path` is not available locally: a path from the working
+            directory, else under the recipes (`targets/qwen3_8b`). None: `target_path`.
         trust_remote_code: allow the target's own modelling code (off unless asked).
         target_dtype: dtype the frozen target runs in ("bfloat16", "float16", "float32").
         tiny_random_target: when `target_path` does not exist, write a tiny random Qwen3 there

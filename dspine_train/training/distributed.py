@@ -18,7 +18,6 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +25,8 @@ from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import InitProcessGroupKwargs
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from .config import RECIPES_DIR, Precision, TrainConfig
+from ..recipe_files import resolve_recipe_path
+from .config import Precision, TrainConfig
 from .errors import TrainingError
 
 
@@ -48,14 +48,6 @@ def ensure_process_group_env() -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
     )
-
-
-def resolve_recipe_path(path: str) -> Path:
-    """A recipe-relative path (e.g. `deepspeed/zero2.json`) or an absolute/cwd-relative one."""
-    candidate = Path(path)
-    if candidate.is_absolute() or candidate.exists():
-        return candidate
-    return RECIPES_DIR / candidate
 
 
 def deepspeed_config(config: TrainConfig) -> dict[str, Any]:

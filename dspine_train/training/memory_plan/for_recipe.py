@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from ...modeling import DSpineConfig
 from ...modeling.attention_masks import default_use_flex
+from ...recipe_files import resolve_recipe_path
 from ..config import Precision, TrainConfig
 from ..draft_builder import draft_config_for
 from ..errors import TrainingError
@@ -31,7 +32,10 @@ def plan_target_config(config: TrainConfig) -> PretrainedConfig:
     m = config.model
     if m.tiny_random_target and not Path(m.target_path).exists():
         return tiny_target_config()  # what check_inputs would write there
-    return load_target_config(m.target_config_path or m.target_path, m.trust_remote_code)
+    if m.target_config_path:
+        return load_target_config(str(resolve_recipe_path(m.target_config_path)),
+                                  m.trust_remote_code)
+    return load_target_config(m.target_path, m.trust_remote_code)
 
 
 def plan_draft_config(config: TrainConfig, target: PretrainedConfig | None = None) -> DSpineConfig:
