@@ -226,3 +226,34 @@ def test_a_stage_record_is_read_back_and_an_unreadable_one_reruns_the_stage(
     first, ran = demo.run_stage(d, "prompts", False)
     again, ran_again = demo.run_stage(d, "prompts", False)
     assert ran and not ran_again and again == first and first.summary == {"prompts": 2}
+
+
+def test_a_record_names_its_threads_and_an_older_record_without_them_still_counts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The threads the children ran with are part of the record (training's numerics depend
+    on them); a record written before this field existed is still read as done."""
+    d = _demo(tmp_path, "--threads", "1")
+    monkeypatch.setitem(demo.STAGE_FUNCS, "target", lambda _: {"run_id": "t1"})
+    record, _ = demo.run_stage(d, "target", False)
+    saved = json.loads((d.stages_dir / "target.json").read_text())
+    assert saved["environment"]["omp_num_threads"] == "1"
+    assert saved["environment"]["torch"] == torch.__version__
+    older = {k: v for k, v in saved.items() if k != "environment"}
+    (d.stages_dir / "target.json").write_text(json.dumps(older))
+    assert d.marker("target") is not None and d.marker("target").run_id == record.run_id
+
+
+def test_files_digest_follows_names_and_bytes(tmp_path: Path) -> None:
+    from scripts.tools.demo.records import files_digest
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "a" / "y.bin").write_bytes(b"\x02")
+    first = files_digest(tmp_path / "a")
+    assert files_digest(tmp_path / "a") == first
+    (tmp_path / "a" / "y.bin").write_bytes(b"\x03")
+    assert files_digest(tmp_path / "a") != first
+    (tmp_path / "a" / "y.bin").write_bytes(b"\x02")
+    (tmp_path / "a" / "y.bin").rename(tmp_path / "a" / "z.bin")
+    assert files_digest(tmp_path / "a") != first
+    assert files_digest(tmp_path / "a" / "x.bin") != files_digest(tmp_path / "a" / "z.bin")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ class StageRecord:
     seconds: float
     finished_at: str
     summary: dict[str, Any]  # the stage's own figures (JSON, a shape per stage)
+    # what the numerics depend on besides the settings (`environment`); {} in older records
+    environment: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +60,30 @@ def fingerprint(settings: dict[str, Any], upstream: list[StageRecord]) -> str:
     payload = json.dumps({"settings": settings, "upstream": [m.run_id for m in upstream]},
                          sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def environment(threads: int | None) -> dict[str, Any]:
+    """What a stage's figures depend on beyond its settings: the torch version and the threads
+    its child processes run with (a CPU matmul sums in an order set by the thread count, so
+    two runs with other thread counts train apart)."""
+    import torch
+
+    omp = str(threads) if threads else os.environ.get("OMP_NUM_THREADS")
+    return {"torch": torch.__version__, "cpu_count": os.cpu_count(),
+            "omp_num_threads": omp or "unset (one per core)"}
+
+
+def files_digest(path: Path) -> str:
+    """SHA-256 over the files under `path` (or of the file `path`), names and bytes, in name
+    order: two runs wrote the same bytes exactly when their digests agree."""
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        digest.update(str(file.relative_to(path) if file != path else file.name).encode())
+        with file.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from dspine_train.markdown_table import markdown_table
 
-from .records import Demo, DemoError, StageRecord, fingerprint, write_json
+from .records import Demo, DemoError, StageRecord, environment, fingerprint, write_json
 from .stages import STAGE_FUNCS, stage_train
 
 STAGES = ("target", "prompts", "regenerate", "tokenize", "token_table", "features", "train",
@@ -91,7 +91,8 @@ def run_stage(demo: Demo, name: str, force: bool) -> tuple[StageRecord, bool]:
     record = StageRecord(stage=name, fingerprint=key,
                          run_id=summary.pop("run_id", uuid.uuid4().hex),
                          seconds=round(time.perf_counter() - start, 1),
-                         finished_at=time.strftime("%Y-%m-%d %H:%M:%S"), summary=summary)
+                         finished_at=time.strftime("%Y-%m-%d %H:%M:%S"), summary=summary,
+                         environment=environment(demo.args.threads))
     write_json(demo.stages_dir / f"{name}.json", asdict(record))
     started_path.unlink(missing_ok=True)
     return record, True

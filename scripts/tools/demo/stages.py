@@ -13,7 +13,7 @@ from typing import Any
 
 from scripts.tools.child_runs import offline_env, run_logged
 
-from .records import Demo, DemoError, write_json
+from .records import Demo, DemoError, files_digest, write_json
 from .settings import train_config, train_overrides
 
 
@@ -139,7 +139,9 @@ def stage_features(demo: Demo) -> dict[str, Any]:
                 *train_overrides(demo)],
                demo.path("logs", "features.log"), "caching the target features",
                env=offline_env(demo.args.threads), error=DemoError)
-    return {"bytes": sum(p.stat().st_size for p in demo.path("features").rglob("*") if p.is_file())}
+    features = demo.path("features")
+    return {"bytes": sum(p.stat().st_size for p in features.rglob("*") if p.is_file()),
+            "sha256": files_digest(features)}
 
 
 def stage_train(demo: Demo, resume: bool) -> dict[str, Any]:
@@ -151,7 +153,8 @@ def stage_train(demo: Demo, resume: bool) -> dict[str, Any]:
                "training the draft", env=offline_env(demo.args.threads), error=DemoError)
     info = json.loads(demo.path("train", "final", "training_info.json").read_text())
     return {"simulated_tau": info.get("tau"),
-            "simulated_per_position": info.get("acceptance_by_position"), "steps": info["step"]}
+            "simulated_per_position": info.get("acceptance_by_position"), "steps": info["step"],
+            "weights_sha256": files_digest(demo.path("train", "final", "model.safetensors"))}
 
 
 def stage_export(demo: Demo) -> dict[str, Any]:
