@@ -65,6 +65,7 @@ from dspine_train.engine.tree_verify import TreeVerifier
 from dspine_train.engine.validation import check_draft_files, check_draft_fits_target
 from dspine_train.engine.warmup import calibrate, warm_up
 from dspine_train.engine.weights import load_target
+from dspine_train.modeling.few_rows import FEW_ROWS, set_weight_first_rows
 
 
 class Engine:
@@ -94,6 +95,10 @@ class Engine:
     the shape with the most expected tokens per second instead (`engine.round_planner`; its
     costs are measured by `calibrate`, which `warmup` runs); the output is the same either way.
     `configure_ngram` changes them later.
+
+    `weight_first_rows` (CPU only): the target's linear layers multiply 2 to that many rows with
+    the weight-first product (`modeling.few_rows`), which a CPU runs faster for a verify's few
+    rows; None takes `FEW_ROWS` (16), 0 keeps `F.linear` everywhere.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class Engine:
         tree_nodes: int | None = None,
         ngram: NgramConfig | None = None,
         adaptive: bool = False,
+        weight_first_rows: int | None = None,
     ) -> None:
         if kv_bucket_size < 1:
             raise GenerationInputError(f"kv_bucket_size must be >= 1, got {kv_bucket_size}")
@@ -151,6 +157,9 @@ class Engine:
             target.set_feature_layers(draft.config.target_layer_ids)
         target.setup(max_batch_size, self.max_seq_len)
         cuda = self.device.type == "cuda"
+        if weight_first_rows is None:
+            weight_first_rows = 0 if cuda else FEW_ROWS
+        set_weight_first_rows(target, weight_first_rows)
         self._flat_verify = cuda  # a verify costs about the same for 1 or 30 tokens on a GPU
         use_graphs = cuda_graphs and cuda
         use_compile = cuda if compile is None else bool(compile)

@@ -27,6 +27,7 @@ from transformers import PretrainedConfig
 from dspine_train.engine.errors import CheckpointError
 from dspine_train.engine.kv_cache import StaticKVCache
 from dspine_train.engine.rope import RopeTable, apply_rope, rope_layer_types
+from dspine_train.modeling.few_rows import Projection
 from dspine_train.modeling.sdpa_attention import causal_attention, masked_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "gemma3_text")
@@ -173,10 +174,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.q_proj = Projection(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = Projection(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = Projection(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = Projection(q_size, config.hidden_size, bias=config.o_bias)
         self.scale = config.attn_scale
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
@@ -223,9 +224,9 @@ class MLP(nn.Module):
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
         size, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(size, inner, bias=bias)
-        self.up_proj = nn.Linear(size, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, size, bias=bias)
+        self.gate_proj = Projection(size, inner, bias=bias)
+        self.up_proj = Projection(size, inner, bias=bias)
+        self.down_proj = Projection(inner, size, bias=bias)
         self.act_fn = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,7 +289,7 @@ class TargetModel(nn.Module):
         self.config = config
         self.hf_config = hf_config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Projection(config.hidden_size, config.vocab_size, bias=False)
         self.feature_layer_ids: tuple[int, ...] = ()
         self.cache: StaticKVCache | None = None
         self.rope: RopeTable | None = None
