@@ -7,9 +7,9 @@ format) load: only a draft trained with `method: dflash` can be written so. `--f
 writes this project's own export (which also carries the DFlash keys, under its own
 `architectures` name). `--format specforge` writes SpecForge's `DSpineDraftModel` checkpoint (a
 DSpine draft only). `--format speculators` writes vLLM's own format (what the `speculators`
-package writes; `vllm serve OUT_DIR` detects it), for a DFlash draft too; it names the target
-model, `--verifier` or by default the path the draft was trained against. SRC_DIR may be a
-dspine, dflash or specforge export. OUT_DIR is built beside itself and swapped in whole; it must
+package writes; `vllm serve OUT_DIR` detects it) for a DFlash or a DSpark (`method: dspark`)
+draft; it names the target model, `--verifier` or by default the path the draft was trained
+against. SRC_DIR may be a dspine, dflash or specforge export, or a speculators DSpark one. OUT_DIR is built beside itself and swapped in whole; it must
 be new, empty or an export (it is never a target model, a dataset, or a directory overlapping
 SRC_DIR), and is locked for the run. A bad argument, an unconvertible draft, a refused OUT_DIR
 or one in use by another export is reported in one line, exit status 2; a failed write (a full
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dspine_train.export",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="an exported draft directory (dspine, dflash or specforge "
-                        "format)")
+                        "format, or a speculators DSpark draft)")
     parser.add_argument("out", help="the directory to write")
     parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
                         help="dflash: DFlashDraftModel's format; dspine: this project's own; "
