@@ -15,12 +15,15 @@
   (`speculators_model_type: dflash`, the verifier named in `speculators_config`) for DFlash
   drafts, written, not read; and (`speculators_dspark.py`, `speculators_model_type: dspark`) for
   DSpark drafts (`method: dspark`), written and read.
+* `deepspec` (`deepspec.py`): DeepSpec's own DSpark checkpoint (`architectures:
+  ["Qwen3DSparkModel"]`, which vLLM serves natively; published DSpark drafts are in it);
+  DSpark drafts only, written and read.
 
 `export_dir` converts an export directory (the CLI `python -m dspine_train.export`);
 `write_format` writes a draft into a directory being built (the trainer's export);
-`load_draft` reads the dspine, dflash, specforge and speculators-DSpark formats into a
-`DSpineDraftModel` (a DFlash checkpoint becomes a `method: dflash` draft, a speculators DSpark
-one a `method: dspark` draft). Further formats go beside these.
+`load_draft` reads the dspine, dflash, specforge, deepspec and speculators-DSpark formats into a
+`DSpineDraftModel` (a DFlash checkpoint becomes a `method: dflash` draft, a DSpark one a
+`method: dspark` draft). Further formats go beside these.
 """
 
 from __future__ import annotations
@@ -37,16 +40,17 @@ from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_jso
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..output_lock import lock_output
 from ..owned_dir import OwnedDirError, check_no_overlap, check_replaceable, write_marker
-from . import dflash, specforge, speculators, speculators_dspark
+from . import deepspec, dflash, specforge, speculators, speculators_dspark
 from .dflash import FormatError
 
-FORMATS = ("dspine", "dflash", "specforge", "speculators")
+FORMATS = ("dspine", "dflash", "specforge", "speculators", "deepspec")
 WEIGHTS_FILE = "model.safetensors"
 # Files of a DSpine export that travel with it (the dflash format keeps only the info file).
 SIDE_FILES = {"dspine": ("token_table.safetensors", "training_info.json"),
               "dflash": ("training_info.json",),
               "specforge": ("training_info.json",),
-              "speculators": ("training_info.json",)}
+              "speculators": ("training_info.json",),
+              "deepspec": ("training_info.json",)}
 # The marker of an export directory written here (the CLI and the trainer): only such a
 # directory, an empty one, or a marker-less export of these files alone is replaced. A dot
 # file, so `push_to_hub` leaves it out of the upload.
@@ -76,7 +80,8 @@ def is_draft_export(directory: Path) -> bool:
         return False
     return isinstance(fields, dict) and (
         fields.get("model_type") == DSpineConfig.model_type or dflash.is_dflash_config(fields)
-        or specforge.is_specforge_config(fields) or speculators.is_speculators_config(fields))
+        or specforge.is_specforge_config(fields) or speculators.is_speculators_config(fields)
+        or deepspec.is_deepspec_config(fields))
 
 
 def dspine_blocks(config: DSpineConfig) -> dict[str, Any]:
@@ -123,6 +128,14 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
                           specforge.config_dict(draft.config, state["fc.weight"].dtype),
                           indent=2, sort_keys=True)
         return
+    if fmt == "deepspec":
+        check_exportable(draft.config, source, fmt)
+        tensors = speculators_dspark.state_dict(state)  # the same tensors, the same names
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json_atomic(directory / "config.json",
+                          deepspec.config_dict(draft.config, tensors["fc.weight"].dtype),
+                          indent=2, sort_keys=True)
+        return
     dspark = fmt == "speculators" and draft.config.method == "dspark"
     check_exportable(draft.config, source, fmt)  # refused before anything is written
     if fmt == "speculators":  # and the verifier checked
@@ -142,9 +155,11 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
 
 def check_exportable(config: DSpineConfig, source: str, fmt: str) -> None:
     """`FormatError` unless a draft with `config` can be written in `fmt`, one of the DFlash
-    family's formats ("dflash", "speculators"; the speculators format takes DFlash and DSpark
-    drafts)."""
-    if fmt == "speculators" and config.method == "dspark":
+    family's formats ("dflash", "speculators", "deepspec"; the speculators format takes DFlash
+    and DSpark drafts, deepspec DSpark drafts)."""
+    if fmt == "deepspec":
+        deepspec.check_exportable(config, source)
+    elif fmt == "speculators" and config.method == "dspark":
         speculators_dspark.check_exportable(config, source)
     elif fmt == "speculators":
         speculators.check_exportable(config, source)
@@ -170,10 +185,12 @@ def import_dflash(directory: str | Path) -> DSpineDraftModel:
 
 def readable_format(fields: dict[str, Any], source: str | Path) -> str:
     """Which format a draft's `config.json` dict is in, of those read here: "specforge",
-    "speculators" (a DSpark draft), "dflash" or "dspine". A speculators-format DFlash draft is
-    refused (`FormatError`)."""
+    "deepspec", "speculators" (a DSpark draft), "dflash" or "dspine". A speculators-format
+    DFlash draft is refused (`FormatError`)."""
     if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
         return "specforge"
+    if deepspec.is_deepspec_config(fields):
+        return "deepspec"
     if speculators_dspark.is_dspark_config(fields):
         return "speculators"
     if speculators.is_speculators_config(fields):  # its architectures name is DFlash's too
@@ -193,6 +210,8 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
         return specforge.import_specforge(directory)
     if fmt == "speculators":
         return speculators_dspark.import_dspark(directory)
+    if fmt == "deepspec":
+        return deepspec.import_deepspec(directory)
     if fmt == "dflash":
         return import_dflash(directory)
     return DSpineDraftModel.from_pretrained(str(directory))
@@ -200,7 +219,7 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
 
 def export_dir(source: str | Path, out: str | Path, fmt: str,
                verifier: str | None = None) -> Path:
-    """Write the draft exported at `source` (dspine, dflash or specforge format, or a
+    """Write the draft exported at `source` (dspine, dflash, specforge or deepspec format, or a
     speculators DSpark draft) to `out` in format `fmt` (`verifier`: see `write_format`).
 
     `out` is built beside itself and swapped in whole: it is never half-written, and an
@@ -232,7 +251,8 @@ def _export_locked(source: Path, out: Path, fmt: str, verifier: str | None) -> P
     """`export_dir` once `out` is locked and checked."""
     try:
         fields = dflash.read_config(source)
-        if fmt in ("dflash", "speculators") and readable_format(fields, source) == "dspine":
+        if fmt in ("dflash", "speculators", "deepspec") and readable_format(
+                fields, source) == "dspine":
             # a draft the format cannot hold is refused before any loading
             check_exportable(DSpineConfig.from_pretrained(source), str(source), fmt)
         draft = load_draft(source)

@@ -167,12 +167,16 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
         raise FormatError(f"{source}: {err}") from err
 
 
-def read_weights(directory: str | Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def read_weights(directory: str | Path, expected: dict[str, torch.Tensor],
+                 extra: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The tensors of the DSpark checkpoint at `directory`, checked against a draft's state dict
-    `expected`: every backbone and head tensor present with its shape and nothing else, or
-    `FormatError` naming the missing, unexpected and mismatched."""
+    `expected`: every backbone and head tensor present with its shape, the optional `extra`
+    ones (in `expected` too) with theirs, and nothing else, or `FormatError` naming the
+    missing, unexpected and mismatched."""
     tensors = dflash.read_tensors(directory)
-    unexpected = sorted(k for k in tensors if k not in expected or not is_dspark_key(k))
+    allowed = set(extra)
+    unexpected = sorted(k for k in tensors
+                        if k not in expected or not (is_dspark_key(k) or k in allowed))
     missing = sorted(k for k in expected if is_dspark_key(k) and k not in tensors)
     mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
                         for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
