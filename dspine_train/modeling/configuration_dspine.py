@@ -159,6 +159,8 @@ class DSpineConfig(PreTrainedConfig):
         token_ce_intermediate: ablation switch, full-vocabulary CE after every layer.
         distill_mass_threshold: refinement L1 only where the target puts more than this mass
             on the candidates.
+        confidence_weight: `method: dspark`: weight of the confidence head's BCE against each
+            slot's acceptance 1 - ||p_draft - p_target||_1 / 2 (DeepSpec: 1.0).
     Target identity (for validation and model cards):
         target_name_or_path, target_model_type, target_vocab_size (tokenizer length).
     """
@@ -184,6 +186,7 @@ class DSpineConfig(PreTrainedConfig):
         "alignment_layer_reduction": "mean", "refine_normalization": "covered",
         "draft_vocab_size": None, "markov_rank": None, "markov_head_type": None,
         "enable_confidence_head": None, "confidence_head_with_markov": None,
+        "confidence_weight": 1.0,
     }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
@@ -245,6 +248,7 @@ class DSpineConfig(PreTrainedConfig):
     refine_normalization: Literal["covered", "supervised"] = "covered"
     token_ce_intermediate: bool | None = None
     distill_mass_threshold: float = 1e-4
+    confidence_weight: float = 1.0
 
     # Target identity.
     target_name_or_path: str | None = None
@@ -479,6 +483,8 @@ class DSpineConfig(PreTrainedConfig):
     def _check_dspark(self) -> None:
         """DSpark's head settings (issue 30): a rank >= 0, the implemented head variant, a
         confidence head that reads the Markov embedding only where there is one."""
+        if self.confidence_weight < 0:
+            raise ValueError(f"confidence_weight must be >= 0, got {self.confidence_weight}")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0 (0: no Markov head), got {self.markov_rank}")
         if self.markov_head_type != "vanilla":
