@@ -13,7 +13,8 @@ predicts token a+k+1 from the backbone's final state h_k. Two small heads sit on
 
 Parameter names are the reference ones (`markov_head.markov_w{1,2}.weight`,
 `confidence_head.proj.{weight,bias}`), so the speculators and vLLM checkpoints map one to one.
-`dspark_outputs` is the forward both training and decoding use.
+`dspark_outputs` is the forward training uses; `markov_walk` the left-to-right decode of one
+block from its base logits (serial only in the bias: B look-ups and rank-r products).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_dspine import DSpineConfig
+from .exponential_race import race
+from .transition_cache import WalkResult, draw_noise
 
 
 @dataclass
@@ -116,3 +119,47 @@ def dspark_outputs(
             features = torch.cat((normed, embedded.to(normed.dtype)), dim=-1)  # (..., B, H + r)
         scores = confidence(features.to(confidence.proj.weight.dtype))
     return DSparkOutput(logits=logits, confidence=scores)
+
+
+def markov_walk(
+    base_logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    markov: MarkovHead | None,
+    k: int,
+    temperature: float | torch.Tensor = 0.0,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> WalkResult:
+    """Decode a DSpark block left to right: slot j's logits are `base_logits[..., j, :]` plus
+    the Markov bias of the token drafted at slot j-1 (slot 0: the anchor), exactly as trained
+    with the true tokens (`dspark_outputs`).
+
+    base_logits (..., B, V) the slots' logits without the Markov term (`draft_forward`);
+    anchor_ids (...,). Greedy takes each slot's argmax. Sampling (`temperature > 0`, or `noise`
+    (..., B, K) Exp(1) draws given) draws each token with the exponential race from the slot's
+    softmax restricted to its top-`k` (as `transition_cache.per_slot_decode`), so q is sparse:
+    (..., B, K) over `candidates` (..., B, K). Returns the drafted tokens (..., B).
+    """
+    greedy = noise is None and not (isinstance(temperature, torch.Tensor) or temperature > 0.0)
+    prev = anchor_ids
+    tokens, qs, cands = [], [], []
+    for j in range(base_logits.shape[-2]):
+        logits = base_logits[..., j, :]  # (..., V)
+        if markov is not None:
+            logits = logits + markov.bias(markov.embed(prev)).to(logits.dtype)
+        if greedy:
+            prev = logits.argmax(-1)
+        else:
+            cand = torch.topk(logits, k, dim=-1, sorted=True).indices  # (..., K)
+            slot_noise = None if noise is None else noise[..., j, :]
+            slot_noise = draw_noise(cand, temperature, generator, slot_noise)
+            scale = temperature[..., None] if isinstance(temperature, torch.Tensor) else temperature
+            probs = torch.softmax(logits.gather(-1, cand).float() / scale, dim=-1)
+            prev = cand.gather(-1, race(probs, slot_noise)[..., None]).squeeze(-1)
+            qs.append(probs)
+            cands.append(cand)
+        tokens.append(prev)
+    out = torch.stack(tokens, dim=-1)  # (..., B)
+    if greedy:
+        return WalkResult(out)
+    return WalkResult(out, torch.stack(qs, dim=-2), torch.stack(cands, dim=-2))

@@ -34,7 +34,13 @@ from .context_cache import DraftContextCache
 from .injection import AdjacentInjection
 from .layer_stack import CachedContext, ProjectedContext, run_layer_stack
 from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding, vocab_projection
-from .markov_head import DSparkOutput, build_dspark_heads, dspark_outputs, init_dspark_heads
+from .markov_head import (
+    DSparkOutput,
+    build_dspark_heads,
+    dspark_outputs,
+    init_dspark_heads,
+    markov_walk,
+)
 from .transition_cache import (
     WalkResult,
     per_slot_decode,
@@ -430,6 +436,20 @@ class DSpineDraftModel(DSpinePreTrainedModel):
                               cfg.confidence_head_with_markov)
 
     # ------------------------------------------------------------------ decoding
+    def dspark_walk(
+        self,
+        base_logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float | torch.Tensor = 0.0,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> WalkResult:
+        """Decode a DSpark block from `draft_forward`'s base logits (..., Bk, V): the Markov
+        head's left-to-right walk (`markov_head.markov_walk`), K = `candidate_k` when sampling.
+        The tokens (..., Bk) are the drafts for positions anchor+1 .. anchor+Bk."""
+        return markov_walk(base_logits, anchor_ids, self.markov_head, self.num_candidates,
+                           temperature, generator, noise)
+
     def walk(
         self,
         pre_injection: torch.Tensor,
@@ -561,8 +581,9 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         """
         if self.config.anchor_predicts:
             raise NotImplementedError(
-                "method: dspark drafts are not decoded by the engine yet (issue 30: the Markov "
-                "head's left-to-right decode comes with the engine step)")
+                "method: dspark drafts are not decoded by the engine yet (issue 30: it drafts "
+                "Bk tokens a block, decoded by `dspark_walk`, which the engine's verify step "
+                "does not take yet)")
         slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
         result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator, noise)
         return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
