@@ -1,4 +1,4 @@
-"""DSpark's training objective (issue 30; DeepSpec `deepspec/modeling/dspark/loss.py`).
+"""DSpark's training objective (DeepSpec `deepspec/modeling/dspark/loss.py`).
 
 Per supervised slot j (j = 0..B-1 of a block anchored at a; slot j predicts token a+j+1, its
 logits with the Markov term teacher-forced from the true token a+j; weight

@@ -316,7 +316,7 @@ def test_formats_that_cannot_hold_a_dspark_draft_refuse_it(world, capsys):
 
 
 def test_the_engine_and_trainer_refuse_a_dspark_draft_for_now(world):
-    """Until its decode and objective land (issue 30), neither runs DSpark as another method."""
+    """Until its decode and objective land, neither runs DSpark as another method."""
     ours = _ours(world)
     cache = ours.new_context_cache(1, 16)
     with pytest.raises(NotImplementedError, match="method: dspark drafts are not decoded"):

@@ -231,7 +231,7 @@ class DSpineConfig(PreTrainedConfig):
     candidate_k: int = 16
     draft_vocab_size: int | None = None
 
-    # DSpark's heads (issue 30; `markov_head.py`).
+    # DSpark's heads (`markov_head.py`).
     markov_rank: int | None = None
     markov_head_type: Literal["vanilla", "gated", "rnn"] | None = None
     enable_confidence_head: bool | None = None
@@ -481,7 +481,7 @@ class DSpineConfig(PreTrainedConfig):
         self._check_dspark()
 
     def _check_dspark(self) -> None:
-        """DSpark's head settings (issue 30): a rank >= 0, the implemented head variant, a
+        """DSpark's head settings: a rank >= 0, the implemented head variant, a
         confidence head that reads the Markov embedding only where there is one."""
         if self.confidence_weight < 0:
             raise ValueError(f"confidence_weight must be >= 0, got {self.confidence_weight}")

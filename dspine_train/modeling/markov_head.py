@@ -1,4 +1,4 @@
-"""DSpark's two heads on the DFlash backbone (issue 30; DeepSpec `deepspec/modeling/dspark/`).
+"""DSpark's two heads on the DFlash backbone (DeepSpec `deepspec/modeling/dspark/`).
 
 In a DSpark block `[anchor, MASK x (B-1)]` every slot is a prediction: slot k (k = 0..B-1)
 predicts token a+k+1 from the backbone's final state h_k. Two small heads sit on top:

@@ -1,4 +1,4 @@
-"""What each draft `method` fixes: the settings of DSpine, DFlash and DSpark (METHOD 2.5, issue 30).
+"""What each draft `method` fixes: the settings of DSpine, DFlash and DSpark (METHOD 2.5).
 
 Plain data, read by `DSpineConfig.apply_method`, the formats and the training config.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# What each `method` fixes (METHOD 1, 2.5; issue 30). `dflash` is the reference DFlash network
+# What each `method` fixes (METHOD 1, 2.5). `dflash` is the reference DFlash network
 # and decode (z-lab's `DFlashDraftModel`): no injection, bidirectional attention inside the block,
 # each slot decoded by its own argmax, and none of DSpine's extra training terms. `dspark` is
 # DeepSpec's DSpark: the same backbone, but the anchor slot predicts too (B predictions, slot k

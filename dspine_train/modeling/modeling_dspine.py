@@ -581,9 +581,9 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         """
         if self.config.anchor_predicts:
             raise NotImplementedError(
-                "method: dspark drafts are not decoded by the engine yet (issue 30: it drafts "
-                "Bk tokens a block, decoded by `dspark_walk`, which the engine's verify step "
-                "does not take yet)")
+                "method: dspark drafts are not decoded by the engine yet: it drafts Bk "
+                "tokens a block, decoded by `dspark_walk`, which the engine's verify step does "
+                "not take yet")
         slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
         result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator, noise)
         return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
