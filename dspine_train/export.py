@@ -1,15 +1,17 @@
 """Command line: convert an exported draft to a checkpoint format.
 
-    python -m dspine_train.export SRC_DIR OUT_DIR --format dflash|dspine|specforge|speculators [--verifier T]
+    python -m dspine_train.export SRC_DIR OUT_DIR --format dflash|dspine|specforge|speculators|deepspec [--verifier T]
 
 `--format dflash` writes what z-lab's `DFlashDraftModel` (and the serving stacks that follow its
 format) load: only a draft trained with `method: dflash` can be written so. `--format dspine`
 writes this project's own export (which also carries the DFlash keys, under its own
 `architectures` name). `--format specforge` writes SpecForge's `DSpineDraftModel` checkpoint (a
 DSpine draft only). `--format speculators` writes vLLM's own format (what the `speculators`
-package writes; `vllm serve OUT_DIR` detects it), for a DFlash draft too; it names the target
-model, `--verifier` or by default the path the draft was trained against. SRC_DIR may be a
-dspine, dflash or specforge export. OUT_DIR is built beside itself and swapped in whole; it must
+package writes; `vllm serve OUT_DIR` detects it) for a DFlash or a DSpark (`method: dspark`)
+draft; it names the target model, `--verifier` or by default the path the draft was trained
+against. `--format deepspec` writes DeepSpec's own DSpark checkpoint (`Qwen3DSparkModel`, which
+vLLM serves natively; a `method: dspark` draft only). SRC_DIR may be a dspine, dflash,
+specforge or deepspec export, or a speculators DSpark one. OUT_DIR is built beside itself and swapped in whole; it must
 be new, empty or an export (it is never a target model, a dataset, or a directory overlapping
 SRC_DIR), and is locked for the run. A bad argument, an unconvertible draft, a refused OUT_DIR
 or one in use by another export is reported in one line, exit status 2; a failed write (a full
@@ -32,13 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the conversion; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m dspine_train.export",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("source", help="an exported draft directory (dspine, dflash or specforge "
-                        "format)")
+    parser.add_argument("source", help="an exported draft directory (dspine, dflash, specforge "
+                        "or deepspec format, or a speculators DSpark draft)")
     parser.add_argument("out", help="the directory to write")
     parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
                         help="dflash: DFlashDraftModel's format; dspine: this project's own; "
                              "specforge: SpecForge's DSpineDraftModel; "
-                             "speculators: vLLM's (the speculators package's)")
+                             "speculators: vLLM's (the speculators package's); "
+                             "deepspec: DeepSpec's DSpark (Qwen3DSparkModel)")
     parser.add_argument("--verifier", default=None,
                         help="speculators: the target model's path or hub id written as the "
                              "verifier (default: the target the draft was trained against)")

@@ -147,6 +147,12 @@ class Engine:
             chat_template_kwargs if chat_template_kwargs is not None else recorded or {}
         )
         if draft is not None:
+            if getattr(draft.config, "method", None) == "dspark":
+                # refused here, before any setup, rather than at its first round
+                raise CheckpointError(
+                    "a method: dspark draft: the engine does not decode DSpark yet (its "
+                    "blocks of block_size drafts); serve it with vLLM (--format speculators "
+                    "or deepspec)")
             check_draft_fits_target(draft.config, target, tokenizer)
             mismatch = template_mismatch(draft.config, tokenizer, self.chat_template_kwargs)
             if mismatch:

@@ -12,13 +12,18 @@
 * `specforge` (`specforge.py`): SpecForge's `DSpineDraftModel` checkpoint (the same network under
   a few other names); read and written, every field and tensor checked.
 * `speculators` (`speculators.py`): vLLM's own format as the `speculators` package writes it
-  (`speculators_model_type: dflash`, the verifier named in `speculators_config`); the same
-  DFlash drafts only, written, not read.
+  (`speculators_model_type: dflash`, the verifier named in `speculators_config`) for DFlash
+  drafts, written, not read; and (`speculators_dspark.py`, `speculators_model_type: dspark`) for
+  DSpark drafts (`method: dspark`), written and read.
+* `deepspec` (`deepspec.py`): DeepSpec's own DSpark checkpoint (`architectures:
+  ["Qwen3DSparkModel"]`, which vLLM serves natively; published DSpark drafts are in it);
+  DSpark drafts only, written and read.
 
 `export_dir` converts an export directory (the CLI `python -m dspine_train.export`);
 `write_format` writes a draft into a directory being built (the trainer's export);
-`load_draft` reads the dspine, dflash and specforge formats into a `DSpineDraftModel` (a DFlash
-checkpoint becomes a `method: dflash` draft). Further formats go beside these.
+`load_draft` reads the dspine, dflash, specforge, deepspec and speculators-DSpark formats into a
+`DSpineDraftModel` (a DFlash checkpoint becomes a `method: dflash` draft, a DSpark one a
+`method: dspark` draft). Further formats go beside these.
 """
 
 from __future__ import annotations
@@ -35,16 +40,17 @@ from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_jso
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..output_lock import lock_output
 from ..owned_dir import OwnedDirError, check_no_overlap, check_replaceable, write_marker
-from . import dflash, specforge, speculators
+from . import deepspec, dflash, specforge, speculators, speculators_dspark
 from .dflash import FormatError
 
-FORMATS = ("dspine", "dflash", "specforge", "speculators")
+FORMATS = ("dspine", "dflash", "specforge", "speculators", "deepspec")
 WEIGHTS_FILE = "model.safetensors"
 # Files of a DSpine export that travel with it (the dflash format keeps only the info file).
 SIDE_FILES = {"dspine": ("token_table.safetensors", "training_info.json"),
               "dflash": ("training_info.json",),
               "specforge": ("training_info.json",),
-              "speculators": ("training_info.json",)}
+              "speculators": ("training_info.json",),
+              "deepspec": ("training_info.json",)}
 # The marker of an export directory written here (the CLI and the trainer): only such a
 # directory, an empty one, or a marker-less export of these files alone is replaced. A dot
 # file, so `push_to_hub` leaves it out of the upload.
@@ -57,8 +63,9 @@ EXPORT_FILES = {"config.json", WEIGHTS_FILE, "token_table.safetensors", "trainin
 # DFlash's own keys (the `dflash_config` block) are not repeated in `dspine_config`.
 _DFLASH_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
 
-__all__ = ["EXPORT_MARKER", "FORMATS", "FormatError", "dspine_blocks", "export_dir",
-           "import_dflash", "is_draft_export", "load_draft", "readable_format", "write_format"]
+__all__ = ["EXPORT_MARKER", "FORMATS", "FormatError", "check_exportable", "dspine_blocks",
+           "export_dir", "import_dflash", "is_draft_export", "load_draft", "readable_format",
+           "write_format"]
 
 
 def is_draft_export(directory: Path) -> bool:
@@ -73,7 +80,8 @@ def is_draft_export(directory: Path) -> bool:
         return False
     return isinstance(fields, dict) and (
         fields.get("model_type") == DSpineConfig.model_type or dflash.is_dflash_config(fields)
-        or specforge.is_specforge_config(fields) or speculators.is_speculators_config(fields))
+        or specforge.is_specforge_config(fields) or speculators.is_speculators_config(fields)
+        or deepspec.is_deepspec_config(fields))
 
 
 def dspine_blocks(config: DSpineConfig) -> dict[str, Any]:
@@ -120,17 +128,43 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
                           specforge.config_dict(draft.config, state["fc.weight"].dtype),
                           indent=2, sort_keys=True)
         return
-    if fmt == "speculators":  # refused (and the verifier checked) before anything is written
-        speculators.check_exportable(draft.config, source)
+    if fmt == "deepspec":
+        check_exportable(draft.config, source, fmt)
+        tensors = speculators_dspark.state_dict(state)  # the same tensors, the same names
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json_atomic(directory / "config.json",
+                          deepspec.config_dict(draft.config, tensors["fc.weight"].dtype),
+                          indent=2, sort_keys=True)
+        return
+    dspark = fmt == "speculators" and draft.config.method == "dspark"
+    check_exportable(draft.config, source, fmt)  # refused before anything is written
+    if fmt == "speculators":  # and the verifier checked
         target = speculators.verifier_block(draft.config, verifier, source)
-    else:
-        dflash.check_exportable(draft.config, source)
-    tensors = dflash.state_dict(state)  # the same backbone tensors in both formats
+    # the same backbone tensors in every DFlash-family format; a DSpark's heads beside them
+    tensors = speculators_dspark.state_dict(state) if dspark else dflash.state_dict(state)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    dtype = next(iter(tensors.values())).dtype
-    fields = (speculators.config_dict(draft.config, dtype, target) if fmt == "speculators"
-              else dflash.config_dict(draft.config, dtype))
+    dtype = tensors["fc.weight"].dtype
+    if dspark:
+        fields = speculators_dspark.config_dict(draft.config, dtype, target)
+    elif fmt == "speculators":
+        fields = speculators.config_dict(draft.config, dtype, target)
+    else:
+        fields = dflash.config_dict(draft.config, dtype)
     write_json_atomic(directory / "config.json", fields, indent=2, sort_keys=True)
+
+
+def check_exportable(config: DSpineConfig, source: str, fmt: str) -> None:
+    """`FormatError` unless a draft with `config` can be written in `fmt`, one of the DFlash
+    family's formats ("dflash", "speculators", "deepspec"; the speculators format takes DFlash
+    and DSpark drafts, deepspec DSpark drafts)."""
+    if fmt == "deepspec":
+        deepspec.check_exportable(config, source)
+    elif fmt == "speculators" and config.method == "dspark":
+        speculators_dspark.check_exportable(config, source)
+    elif fmt == "speculators":
+        speculators.check_exportable(config, source)
+    else:
+        dflash.check_exportable(config, source, fmt)
 
 
 def import_dflash(directory: str | Path) -> DSpineDraftModel:
@@ -151,12 +185,19 @@ def import_dflash(directory: str | Path) -> DSpineDraftModel:
 
 def readable_format(fields: dict[str, Any], source: str | Path) -> str:
     """Which format a draft's `config.json` dict is in, of those read here: "specforge",
-    "dflash" or "dspine". A speculators-format draft is refused (`FormatError`)."""
+    "deepspec", "speculators" (a DSpark draft), "dflash" or "dspine". A speculators-format
+    DFlash draft is refused (`FormatError`)."""
     if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
         return "specforge"
+    if deepspec.is_deepspec_config(fields):
+        return "deepspec"
+    if speculators_dspark.is_dspark_config(fields):
+        return "speculators"
     if speculators.is_speculators_config(fields):  # its architectures name is DFlash's too
-        raise FormatError(f"{source}: a speculators-format draft; this project reads the "
-                          "dspine, dflash and specforge formats (export the draft's source again)")
+        kind = fields.get("speculators_model_type")
+        raise FormatError(f"{source}: a speculators-format draft ({kind}); this project reads the "
+                          "dspine, dflash and specforge formats and speculators' dspark drafts "
+                          "(export the draft's source again)")
     return "dflash" if dflash.is_dflash_config(fields) else "dspine"
 
 
@@ -167,6 +208,10 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
     fmt = readable_format(dflash.read_config(directory), directory)
     if fmt == "specforge":
         return specforge.import_specforge(directory)
+    if fmt == "speculators":
+        return speculators_dspark.import_dspark(directory)
+    if fmt == "deepspec":
+        return deepspec.import_deepspec(directory)
     if fmt == "dflash":
         return import_dflash(directory)
     return DSpineDraftModel.from_pretrained(str(directory))
@@ -174,8 +219,8 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
 
 def export_dir(source: str | Path, out: str | Path, fmt: str,
                verifier: str | None = None) -> Path:
-    """Write the draft exported at `source` (dspine, dflash or specforge format) to `out` in format `fmt`
-    (`verifier`: see `write_format`).
+    """Write the draft exported at `source` (dspine, dflash, specforge or deepspec format, or a
+    speculators DSpark draft) to `out` in format `fmt` (`verifier`: see `write_format`).
 
     `out` is built beside itself and swapped in whole: it is never half-written, and an
     existing export there is replaced only once the new one is complete. It is locked for the
@@ -206,9 +251,10 @@ def _export_locked(source: Path, out: Path, fmt: str, verifier: str | None) -> P
     """`export_dir` once `out` is locked and checked."""
     try:
         fields = dflash.read_config(source)
-        if fmt in ("dflash", "speculators") and not dflash.is_dflash_config(fields):
-            # a DSpine draft is refused before any loading
-            dflash.check_exportable(DSpineConfig.from_pretrained(source), str(source), fmt)
+        if fmt in ("dflash", "speculators", "deepspec") and readable_format(
+                fields, source) == "dspine":
+            # a draft the format cannot hold is refused before any loading
+            check_exportable(DSpineConfig.from_pretrained(source), str(source), fmt)
         draft = load_draft(source)
     except FormatError:
         raise

@@ -72,6 +72,12 @@ def check_exportable(config: DSpineConfig, source: str, fmt: str = "dflash") -> 
     """`FormatError` unless `config` is a DFlash draft (`method: dflash`, or the same network and
     decode: no injection, bidirectional block, per-slot decode); `fmt` is the format asked for
     (every format but dspine holds DFlash drafts only)."""
+    if config.method == "dspark":
+        raise FormatError(
+            f"{source}: a DSpark draft (method: dspark) cannot be exported with --format {fmt}: "
+            "DFlash loaders would drop its Markov and confidence heads and read its slots one "
+            "token early (its anchor slot predicts); export it with --format speculators or "
+            "--format dspine")
     preset = METHOD_PRESETS["dflash"]
     differ = [f"{name}={getattr(config, name)!r}" for name in NETWORK_FIELDS
               if getattr(config, name) != preset[name]]

@@ -26,6 +26,9 @@ What `speculators`' `DFlashSpeculatorConfig` / `DFlashDraftModel.save_pretrained
   `verifier_norm`) are reloaded from the verifier and never saved for a full-vocabulary draft.
 * no input-embedding scale: a draft for a target that scales its embeddings (Gemma) is refused.
 
+DSpark drafts (`method: dspark`) are written in the same format with their own keys and head
+tensors: `speculators_dspark.py`.
+
 The converter also copies speculators' own config module next to the checkpoint (`config.py`,
 with `auto_map` naming it: the remote-code hook of its config class); neither vLLM nor
 `speculators` reads it to load the draft, and this project writes neither.
@@ -59,8 +62,15 @@ def is_speculators_config(fields: dict[str, Any]) -> bool:
 
 def check_exportable(config: DSpineConfig, source: str) -> None:
     """`FormatError` unless `config` is a DFlash draft that speculators' DFlash model runs as
-    ours: a DFlash draft, no input-embedding scale, no context feature from the last layer."""
+    ours: a DFlash draft, no input-embedding scale, no context feature from the last layer
+    (a DSpark draft: `speculators_dspark.check_exportable`)."""
     dflash.check_exportable(config, source, fmt="speculators")
+    check_runnable(config, source)
+
+
+def check_runnable(config: DSpineConfig, source: str) -> None:
+    """`FormatError` unless speculators' DFlash-family backbone runs `config`'s as ours: no
+    input-embedding scale, no context feature from the target's last layer."""
     if config.embed_scale != 1.0:
         raise FormatError(
             f"{source}: the target scales its input embeddings (embed_scale={config.embed_scale})"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .configuration_dspine import DSpineConfig, default_target_layer_ids
     from .context_cache import DraftContextCache
+    from .markov_head import DSparkOutput
     from .modeling_dspine import DraftProposal, DSpineDraftModel, DSpineTrainOutput
     from .transition_cache import WalkResult
 
@@ -24,6 +25,7 @@ _HOMES = {
     "DSpineDraftModel": "modeling_dspine",
     "DSpineTrainOutput": "modeling_dspine",
     "DraftContextCache": "context_cache",
+    "DSparkOutput": "markov_head",
     "DraftProposal": "modeling_dspine",
     "WalkResult": "transition_cache",
     "default_target_layer_ids": "configuration_dspine",
@@ -32,6 +34,7 @@ __all__ = [
     "DSpineConfig",
     "DSpineDraftModel",
     "DSpineTrainOutput",
+    "DSparkOutput",
     "DraftContextCache",
     "DraftProposal",
     "WalkResult",

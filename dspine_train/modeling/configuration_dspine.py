@@ -20,6 +20,11 @@ from huggingface_hub.dataclasses import type_validator
 from transformers import PreTrainedConfig
 
 from .mask_token import check_mask_token, pick_mask_token_id
+from .method_presets import (
+    ANCHOR_PREDICTING_METHODS,
+    METHOD_FREE_FIELDS,
+    METHOD_PRESETS,
+)
 
 # Families whose input embedding is scaled by sqrt(hidden_size) (transformers'
 # `Gemma3TextScaledWordEmbedding`, `embed_scale`): the draft embeds its block tokens the same way.
@@ -37,29 +42,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     span = num_target_layers - 4
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
-
-# What each `method` fixes (METHOD 1, 2.5). `dflash` is the reference DFlash network and decode
-# (z-lab's `DFlashDraftModel`): no injection, bidirectional attention inside the block, each slot
-# decoded by its own argmax, and none of DSpine's extra training terms. A field left unset (None)
-# takes its method's value; `dflash` refuses any other value (see `DSpineConfig.__post_init__`).
-METHOD_PRESETS: dict[str, dict[str, Any]] = {
-    "dspine": {
-        "injection": True,
-        "block_attention": "causal",
-        "transition_cache": True,
-        "refine_weight": 1.0,
-        "alignment_weight": 0.5,
-        "token_ce_intermediate": False,
-    },
-    "dflash": {
-        "injection": False,
-        "block_attention": "bidirectional",
-        "transition_cache": False,
-        "refine_weight": 0.0,
-        "alignment_weight": 0.0,
-        "token_ce_intermediate": False,
-    },
-}
 
 # Blocks of config.json that the exports derive from the fields (`dspine_train.formats`); they
 # are written for other tools to read and dropped on load (the top-level fields are the truth).
@@ -121,12 +103,16 @@ class DSpineConfig(PreTrainedConfig):
         num_layers: number of draft decoder layers N.
         target_layer_ids: 0-based target layers whose *outputs* form the context features.
         target_num_layers: depth L of the target, kept to validate `target_layer_ids`.
-        block_size: block length B (slot 0 is the anchor, slots 1..B-1 are drafted).
+        block_size: block length B (slot 0 is the anchor, slots 1..B-1 are drafted; with
+            `method: dspark` every slot drafts, slot k predicting token a+k+1).
         mask_token_id: an unused vocabulary id that fills slots 1..B-1 of the block input.
-        method: "dspine" or "dflash" (the reference DFlash network: `METHOD_PRESETS` fixes
-            `injection`, `block_attention`, `transition_cache`, `refine_weight`,
-            `alignment_weight` and `token_ce_intermediate`; an explicit other value is refused).
-            The fields it fixes default to None ("the method's value").
+        method: "dspine", "dflash" (the reference DFlash network) or "dspark" (DeepSpec's
+            DSpark: the DFlash backbone whose anchor slot predicts too, plus the Markov and
+            confidence heads). `METHOD_PRESETS` gives each method's `injection`,
+            `block_attention`, `transition_cache`, `refine_weight`, `alignment_weight`,
+            `token_ce_intermediate` and DSpark head settings; a method refuses another value
+            for the fields it fixes (`METHOD_FREE_FIELDS`: those it leaves open). These fields
+            default to None ("the method's value").
         block_attention: "causal" (DSpine) or "bidirectional" (DFlash) attention inside a block.
         injection: gated adjacent injection (METHOD 2.2); False alone is DSpine without injection
             (`method: dflash` is plain DFlash).
@@ -149,6 +135,13 @@ class DSpineConfig(PreTrainedConfig):
             scores only N target ids, held in the `d2t` buffer (draft id i is target id
             i + d2t[i]); None scores the target's whole vocabulary. Verification always uses
             the target's full vocabulary, so decoding stays lossless.
+        markov_rank: r of DSpark's Markov head (`markov_w1` Embedding(V, r), `markov_w2`
+            Linear(r, V)); 0 drops the head. `method: dspark` only (256 there).
+        markov_head_type: the Markov head variant; "vanilla" (first order: W2 W1[x_{k-1}] added
+            to slot k's logits) is the one implemented (the one vLLM serves).
+        enable_confidence_head: DSpark's per-slot acceptance predictor Linear(H (+ r), 1).
+        confidence_head_with_markov: the confidence head reads [hidden ; W1[previous token]]
+            (needs markov_rank > 0) rather than the hidden state alone.
     Objective fields (read by `dspine_train.objective`):
         loss_gamma: decay of the per-slot weight `exp(-(k-1)/gamma)`.
         ce_weight: c, share of label CE in the backbone and refinement terms (rest is L1 distill).
@@ -166,6 +159,8 @@ class DSpineConfig(PreTrainedConfig):
         token_ce_intermediate: ablation switch, full-vocabulary CE after every layer.
         distill_mass_threshold: refinement L1 only where the target puts more than this mass
             on the candidates.
+        confidence_weight: `method: dspark`: weight of the confidence head's BCE against each
+            slot's acceptance 1 - ||p_draft - p_target||_1 / 2 (DeepSpec: 1.0).
     Target identity (for validation and model cards):
         target_name_or_path, target_model_type, target_vocab_size (tokenizer length).
     """
@@ -189,7 +184,9 @@ class DSpineConfig(PreTrainedConfig):
         "replacement_probability": 0.5, "replacement_hold_ratio": 1 / 6,
         "replacement_end_ratio": 1 / 3, "readout_init": "whitened",
         "alignment_layer_reduction": "mean", "refine_normalization": "covered",
-        "draft_vocab_size": None,
+        "draft_vocab_size": None, "markov_rank": None, "markov_head_type": None,
+        "enable_confidence_head": None, "confidence_head_with_markov": None,
+        "confidence_weight": 1.0,
     }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
@@ -218,7 +215,7 @@ class DSpineConfig(PreTrainedConfig):
     target_num_layers: int = 36
     block_size: int = 16
     mask_token_id: int | None = None
-    method: Literal["dspine", "dflash"] = "dspine"
+    method: Literal["dspine", "dflash", "dspark"] = "dspine"
     block_attention: Literal["causal", "bidirectional"] | None = None
 
     # DSpine parts (METHOD 2.1-2.4).
@@ -234,6 +231,12 @@ class DSpineConfig(PreTrainedConfig):
     candidate_k: int = 16
     draft_vocab_size: int | None = None
 
+    # DSpark's heads (`markov_head.py`).
+    markov_rank: int | None = None
+    markov_head_type: Literal["vanilla", "gated", "rnn"] | None = None
+    enable_confidence_head: bool | None = None
+    confidence_head_with_markov: bool | None = None
+
     # Objective (METHOD 2.3).
     loss_gamma: float = 7.0
     ce_weight: float = 0.1
@@ -245,6 +248,7 @@ class DSpineConfig(PreTrainedConfig):
     refine_normalization: Literal["covered", "supervised"] = "covered"
     token_ce_intermediate: bool | None = None
     distill_mass_threshold: float = 1e-4
+    confidence_weight: float = 1.0
 
     # Target identity.
     target_name_or_path: str | None = None
@@ -265,23 +269,42 @@ class DSpineConfig(PreTrainedConfig):
         self.check_consistency()
 
     def apply_method(self) -> None:
-        """Fill the fields `method` fixes (`METHOD_PRESETS`) that are unset; `ValueError` naming
-        every field set against `method: dflash` (the reference DFlash has none of them)."""
+        """Fill the fields `method` fixes or presets (`METHOD_PRESETS`) that are unset;
+        `ValueError` naming every field set against a value the method fixes."""
         if self.method not in METHOD_PRESETS:
             raise ValueError(f"method must be one of {sorted(METHOD_PRESETS)}, got {self.method!r}")
-        preset = METHOD_PRESETS[self.method]
+        preset = dict(METHOD_PRESETS[self.method])
+        if self.method == "dspark":
+            # The confidence head reads the Markov embedding by default only where both exist.
+            with_markov = self.enable_confidence_head is not False and self.markov_rank != 0
+            preset["confidence_head_with_markov"] = with_markov
+        free = METHOD_FREE_FIELDS[self.method]
         conflicts = []
         for name, value in preset.items():
             current = getattr(self, name)
             if current is None:
                 setattr(self, name, value)
-            elif self.method == "dflash" and current != value:
-                conflicts.append(f"{name}={current!r} (dflash: {value!r})")
+            elif name not in free and current != value:
+                conflicts.append(f"{name}={current!r} ({self.method}: {value!r})")
         if conflicts:
+            what = {"dflash": "the reference DFlash draft",
+                    "dspark": "DSpark (the DFlash backbone with its Markov and confidence heads)",
+                    "dspine": "DSpine (DSpark's heads belong to method: dspark)"}[self.method]
             raise ValueError(
-                "method: dflash is the reference DFlash draft and fixes these fields; remove "
-                f"them or use method: dspine: {', '.join(conflicts)}"
+                f"method: {self.method} is {what} and fixes these fields; remove them or use "
+                f"another method: {', '.join(conflicts)}"
             )
+
+    @property
+    def anchor_predicts(self) -> bool:
+        """Whether the anchor slot is itself a prediction (DSpark: slot k predicts token a+k+1,
+        B predictions per block) rather than the given token (slots 1..B-1 predict a+k)."""
+        return self.method in ANCHOR_PREDICTING_METHODS
+
+    @property
+    def num_predictions(self) -> int:
+        """Tokens one block drafts: B with an anchor that predicts, else B - 1."""
+        return self.block_size if self.anchor_predicts else self.block_size - 1
 
     # ------------------------------------------------------------------ field groups
     @classmethod
@@ -455,6 +478,28 @@ class DSpineConfig(PreTrainedConfig):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, "
                                  f"got {getattr(self, name)!r}")
+        self._check_dspark()
+
+    def _check_dspark(self) -> None:
+        """DSpark's head settings: a rank >= 0, the implemented head variant, a
+        confidence head that reads the Markov embedding only where there is one."""
+        if self.confidence_weight < 0:
+            raise ValueError(f"confidence_weight must be >= 0, got {self.confidence_weight}")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0 (0: no Markov head), got {self.markov_rank}")
+        if self.markov_head_type != "vanilla":
+            raise ValueError(
+                f"markov_head_type must be 'vanilla', got {self.markov_head_type!r}: the "
+                "first-order head is the one implemented here and the one vLLM serves "
+                "('gated' and 'rnn' are speculators' training variants)")
+        if self.confidence_head_with_markov and not self.enable_confidence_head:
+            raise ValueError("confidence_head_with_markov=True needs enable_confidence_head=True")
+        if self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ValueError("confidence_head_with_markov=True needs markov_rank > 0 (the head "
+                             "reads the Markov embedding of the previous token)")
+        if self.method == "dspark" and self.draft_vocab_size is not None:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: dspark scores "
+                             "the target's whole vocabulary (a pruned DSpark is not implemented)")
 
     def validate_for_target(self, target_config: PreTrainedConfig, tokenizer: Any = None) -> None:
         """Check that this draft fits `target_config` (and its tokenizer); `ValueError` names the field."""

@@ -2,7 +2,8 @@
 
 Parameters (HF-style names): `fc` and `hidden_norm` fuse the target's context features,
 `layers.*` are Qwen3-style decoder layers, `norm` is the final norm, `injection.*` holds the
-readouts, message, gates and writes. The token table codes are a persistent, non-trainable
+readouts, message, gates and writes; a `method: dspark` draft adds `markov_head.*` and
+`confidence_head.*` (`markov_head.py`). The token table codes are a persistent, non-trainable
 buffer. The target's frozen `embed_tokens` / `lm_head` weights are bound with `bind_target` and
 are never parameters of the draft nor part of its checkpoint.
 """
@@ -33,6 +34,13 @@ from .context_cache import DraftContextCache
 from .injection import AdjacentInjection
 from .layer_stack import CachedContext, ProjectedContext, run_layer_stack
 from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding, vocab_projection
+from .markov_head import (
+    DSparkOutput,
+    build_dspark_heads,
+    dspark_outputs,
+    init_dspark_heads,
+    markov_walk,
+)
 from .transition_cache import (
     WalkResult,
     per_slot_decode,
@@ -52,8 +60,12 @@ class DSpineTrainOutput:
     layer_features: N tensors (B, A, Bk-1, r), each layer's post-injection features.
     layer_hidden: N tensors (B, A, Bk, H) per-layer outputs after injection, only when asked
         (the `token_ce_intermediate` ablation needs them).
-    labels: (B, A, Bk-1) token at anchor + k, -100 past the sequence end.
+    labels: (B, A, P) the token each predicting slot targets, -100 past the sequence end: P =
+        Bk-1 tokens at anchor + k (k = 1..Bk-1), or for DSpark P = Bk tokens at anchor + k + 1
+        (k = 0..Bk-1).
     anchor_ids: (B, A) the anchor token of every block.
+    prev_ids: (B, A, Bk) DSpark only: the true token before each slot's target (anchor + k),
+        the Markov head's teacher-forced input (`dspark_block`); None for other methods.
     """
 
     hidden: torch.Tensor
@@ -63,6 +75,7 @@ class DSpineTrainOutput:
     labels: torch.Tensor
     anchor_ids: torch.Tensor
     layer_hidden: list[torch.Tensor] = field(default_factory=list)
+    prev_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -111,6 +124,7 @@ class DSpinePreTrainedModel(PreTrainedModel):
                 init.zeros_(write.weight)
             init.zeros_(injection.gate_pred.weight)
             init.zeros_(module.token_codes)
+            init_dspark_heads(module.markov_head, module.confidence_head, std)
 
 
 class DSpineDraftModel(DSpinePreTrainedModel):
@@ -125,6 +139,8 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         self.norm = DSpineRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DSpineRotaryEmbedding(config)
         self.injection = AdjacentInjection(config)
+        # DSpark's Markov and confidence heads (None for the other methods).
+        self.markov_head, self.confidence_head = build_dspark_heads(config)
         # Token codes T (V, r) of the unified transfer space (METHOD 2.1); saved, never trained.
         self.register_buffer(
             "token_codes", torch.zeros(config.vocab_size, config.transfer_dim), persistent=True
@@ -346,12 +362,17 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         num_blocks, bk = anchors.shape[1], cfg.block_size
         if anchor_mask is not None:
             anchors = torch.where(anchor_mask, anchors, torch.zeros_like(anchors))
-        offsets = torch.arange(bk, device=input_ids.device)
-        positions = anchors[:, :, None] + offsets  # (B, A, Bk)
-        in_seq = positions < seq_len
-        gathered = torch.gather(input_ids, 1, positions.clamp_max(seq_len - 1).view(bsz, -1))
-        gathered = gathered.view(bsz, num_blocks, bk)  # (B, A, Bk) tokens at a+k
+        # A DSpark block also targets the token after its last slot (a + Bk).
+        span = bk + 1 if cfg.anchor_predicts else bk
+        offsets = torch.arange(span, device=input_ids.device)
+        spanned = anchors[:, :, None] + offsets  # (B, A, span)
+        in_seq = spanned < seq_len
+        gathered = torch.gather(input_ids, 1, spanned.clamp_max(seq_len - 1).view(bsz, -1))
+        gathered = gathered.view(bsz, num_blocks, span)  # (B, A, span) tokens at a+k
         labels = torch.where(in_seq, gathered, torch.full_like(gathered, -100))[..., 1:]
+        prev_ids = gathered[..., :bk] if cfg.anchor_predicts else None  # (B, A, Bk)
+        # the block's own slots
+        gathered, positions = gathered[..., :bk], spanned[..., :bk].contiguous()
         anchor_ids = gathered[..., 0]  # (B, A)
 
         block_ids = torch.full_like(gathered, cfg.mask_token_id)
@@ -394,9 +415,41 @@ class DSpineDraftModel(DSpinePreTrainedModel):
             labels=labels,
             anchor_ids=anchor_ids,
             layer_hidden=stack.layer_hidden,
+            prev_ids=prev_ids,
         )
 
+    def dspark_block(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> DSparkOutput:
+        """DSpark's per-slot logits and confidence logits (`markov_head.dspark_outputs`).
+
+        hidden (..., Bk, H) the last layer's output before the final norm (`forward`'s `hidden`,
+        or `draft_forward`'s second output); prev_ids (..., Bk) the token before each slot's
+        target: the anchor, then the true tokens (teacher forcing, `forward`'s `prev_ids`) or
+        the drafted ones. Returns logits (..., Bk, V) with the Markov term added and confidence
+        (..., Bk). Full-vocabulary logits for every slot: the objective chunks its calls.
+        """
+        cfg = self.config
+        if not cfg.anchor_predicts:
+            raise ValueError(f"dspark_block: a method: {cfg.method} draft has no DSpark heads")
+        normed = self.norm(hidden)
+        base = vocab_projection(normed, self.output_head().to(hidden.dtype))
+        return dspark_outputs(normed, base, prev_ids, self.markov_head, self.confidence_head,
+                              cfg.confidence_head_with_markov)
+
     # ------------------------------------------------------------------ decoding
+    def dspark_walk(
+        self,
+        base_logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float | torch.Tensor = 0.0,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> WalkResult:
+        """Decode a DSpark block from `draft_forward`'s base logits (..., Bk, V): the Markov
+        head's left-to-right walk (`markov_head.markov_walk`), K = `candidate_k` when sampling.
+        The tokens (..., Bk) are the drafts for positions anchor+1 .. anchor+Bk."""
+        return markov_walk(base_logits, anchor_ids, self.markov_head, self.num_candidates,
+                           temperature, generator, noise)
+
     def walk(
         self,
         pre_injection: torch.Tensor,
@@ -484,8 +537,10 @@ class DSpineDraftModel(DSpinePreTrainedModel):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One block per sequence over the cached context.
 
-        Returns slot logits (B, Bk-1, V), last-layer pre-injection states (B, Bk, H) and
-        features (B, Bk-1, r). The block's K/V are written after the committed context.
+        Returns slot logits (B, P, V), last-layer pre-injection states (B, Bk, H) and
+        features (B, Bk-1, r): P = Bk-1 drafted slots, or for DSpark P = Bk base logits (no
+        Markov term, which depends on the tokens drafted before each slot: `dspark_block`).
+        The block's K/V are written after the committed context.
         `kv_len` bounds the cache slots attended to: any value >= every `lengths[b] + Bk`
         (the engine rounds it up to a bucket); the default is the whole cache.
         """
@@ -505,7 +560,8 @@ class DSpineDraftModel(DSpinePreTrainedModel):
             self.layers, self.injection, cfg, hidden, cos, sin,
             CachedContext(cache, kv_len, mask), anchor_codes,
         )
-        return self.logits(stack.hidden[:, 1:]), stack.pre_injection, stack.recv_features
+        first = 0 if cfg.anchor_predicts else 1
+        return self.logits(stack.hidden[:, first:]), stack.pre_injection, stack.recv_features
 
     @torch.no_grad()
     def propose(
@@ -523,6 +579,11 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         `walk`: `noise (B, Bk-1, K)` makes it a pure function of tensors (the engine's
         compiled, captured sampling step).
         """
+        if self.config.anchor_predicts:
+            raise NotImplementedError(
+                "method: dspark drafts are not decoded by the engine yet: it drafts Bk "
+                "tokens a block, decoded by `dspark_walk`, which the engine's verify step does "
+                "not take yet")
         slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
         result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator, noise)
         return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)

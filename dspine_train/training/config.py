@@ -72,8 +72,8 @@ BlockAttention = StrEnum(
 )
 
 
-# The draft's method, from `DSpineConfig.method`'s Literal: "dspine" or "dflash" (the reference
-# DFlash draft; see `METHOD_PRESETS` for the fields it fixes).
+# The draft's method, from `DSpineConfig.method`'s Literal: "dspine", "dflash" (the reference
+# DFlash draft) or "dspark" (see `METHOD_PRESETS` for the fields each fixes).
 DraftMethod = StrEnum(
     "DraftMethod",
     {value: value for value in _literal_values("method")},
@@ -85,13 +85,15 @@ AlignmentLayerReduction = StrEnum(
     "AlignmentLayerReduction", {v: v for v in _literal_values("alignment_layer_reduction")})
 RefineNormalization = StrEnum(
     "RefineNormalization", {v: v for v in _literal_values("refine_normalization")})
+MarkovHeadType = StrEnum("MarkovHeadType", {v: v for v in _literal_values("markov_head_type")})
 
 # The Enum standing for each Literal field of DSpineConfig (OmegaConf checks Enums, not Literals).
 _LITERAL_ENUMS: dict[str, type[Enum]] = {"block_attention": BlockAttention,
                                          "method": DraftMethod,
                                          "readout_init": ReadoutInit,
                                          "alignment_layer_reduction": AlignmentLayerReduction,
-                                         "refine_normalization": RefineNormalization}
+                                         "refine_normalization": RefineNormalization,
+                                         "markov_head_type": MarkovHeadType}
 
 
 def _schema_type(name: str, kind: Any) -> Any:

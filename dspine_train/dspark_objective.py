@@ -1,0 +1,130 @@
+"""DSpark's training objective (DeepSpec `deepspec/modeling/dspark/loss.py`).
+
+Per supervised slot j (j = 0..B-1 of a block anchored at a; slot j predicts token a+j+1, its
+logits with the Markov term teacher-forced from the true token a+j; weight
+`w_j = exp(-j / gamma)` while the targets a+1..a+j+1 are all supervised and inside the
+sequence, so supervision stops at the first unsupervised one):
+
+* CE(label), the draft's distribution p_d against the label;
+* L1 = ||p_d - p_t||_1, p_t the target's own distribution at position a+j (its final normed
+  state through its head, no gradient);
+* BCE(confidence logit, 1 - L1 / 2) with the acceptance target clamped to [0, 1] and detached.
+
+loss = sum_j w_j (c CE + (1 - c) L1 + lambda BCE) / sum_j w_j with c = `ce_weight` (DeepSpec: 0.1,
+the rest 0.9 on L1), lambda = `confidence_weight` (1.0), gamma = `loss_gamma` (DSpark: 4).
+DeepSpec divides all three by the same sum of weights, as here. Without `distill` the L1 and
+the confidence terms are dropped (there is no p_t to measure acceptance against).
+
+Full-vocabulary logits exist for one chunk of slots at a time, recomputed in backward
+(activation checkpointing), so B x S x V is never materialised (METHOD 4).
+
+Not yet wired into the trainer (`train.py model.method=dspark` is refused in its input check):
+its evaluation decode (the Markov head's left-to-right walk) comes with the engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .modeling import DSpineDraftModel, DSpineTrainOutput
+
+
+def dspark_slot_weights(loss_mask: torch.Tensor, anchors: torch.Tensor,
+                        anchor_mask: torch.Tensor, block_size: int,
+                        gamma: float) -> torch.Tensor:
+    """Per-slot weights (B, A, Bk): exp(-j/gamma) while loss_mask[a+1..a+j+1] are all 1."""
+    bsz, seq_len = loss_mask.shape
+    j = torch.arange(block_size, device=anchors.device)
+    pos = anchors[..., None] + j + 1  # (B, A, Bk): the position of each slot's label
+    in_seq = pos < seq_len
+    lm = torch.gather(loss_mask.float(), 1, pos.clamp_max(seq_len - 1).view(bsz, -1))
+    lm = lm.view_as(pos) * in_seq * anchor_mask[..., None]
+    supervised = torch.cumprod(lm, dim=-1)  # cut at the first unsupervised slot
+    return supervised * torch.exp(-j.float() / gamma)
+
+
+def _slot_terms(draft: DSpineDraftModel, hidden: torch.Tensor, prev: torch.Tensor,
+                labels: torch.Tensor,
+                target_hidden: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(ce, l1, bce, correct, acceptance) of n slots: hidden (n, H) last-layer states before
+    the final norm, prev (n,) the true previous tokens, labels (n,), target_hidden (n, H) the
+    target's final normed states or None. The (n, V) logits live only in here."""
+    result = draft.dspark_block(hidden, prev)
+    logits = result.logits.float()  # (n, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = F.nll_loss(logp, labels, reduction="none")
+    correct = (logits.detach().argmax(-1) == labels).float()
+    zeros = torch.zeros_like(ce)
+    if target_hidden is None:
+        return ce, zeros, zeros, correct, zeros
+    with torch.no_grad():
+        p_target = torch.softmax(draft.target_logits(target_hidden).float(), dim=-1)
+    l1 = (logp.exp() - p_target).abs().sum(-1)
+    acceptance = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    bce = zeros
+    if result.confidence is not None:
+        bce = F.binary_cross_entropy_with_logits(result.confidence.float(), acceptance,
+                                                 reduction="none")
+    return ce, l1, bce, correct, acceptance
+
+
+def dspark_loss(
+    draft: DSpineDraftModel,
+    out: DSpineTrainOutput,
+    target_final_hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_mask: torch.Tensor,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DSpark objective for one training forward (`draft(...)` of a `method: dspark` draft);
+    returns (loss, detached metrics: loss, ce, l1, confidence, acc (top-1), acceptance (mean
+    1 - L1/2), supervised slot count). target_final_hidden (B, S, H): the target's final normed
+    hidden states; slot j of anchor a reads its distribution at position a + j."""
+    cfg = draft.config
+    if not cfg.anchor_predicts or out.prev_ids is None:
+        raise ValueError(f"dspark_loss: a method: {cfg.method} draft (use objective.dspine_loss)")
+    bsz, seq_len = loss_mask.shape
+    bk = cfg.block_size
+    weights = dspark_slot_weights(loss_mask, anchors, anchor_mask, bk, cfg.loss_gamma)
+    # Deliberate host sync (as in `objective.supervised_slots`): the supervised slots' indices,
+    # read once, so padding costs no vocabulary work.
+    rows = torch.nonzero(weights.reshape(-1) > 0).squeeze(1)  # (n,)
+    w = weights.reshape(-1)[rows]
+    hidden = out.hidden.reshape(-1, cfg.hidden_size)[rows]  # (n, H)
+    prev = out.prev_ids.reshape(-1)[rows]
+    labels = out.labels.reshape(-1)[rows]
+    # the target state predicting token a+j+1 sits at position a+j
+    pos = (anchors[..., None] + torch.arange(bk, device=anchors.device)).clamp_max(seq_len - 1)
+    batch = torch.arange(bsz, device=anchors.device)[:, None, None].expand_as(pos)
+    pos, batch = pos.reshape(-1)[rows], batch.reshape(-1)[rows]
+    distill = cfg.distill
+    terms = []
+    for start in range(0, rows.numel(), chunk_size):
+        part = slice(start, start + chunk_size)
+        target = target_final_hidden[batch[part], pos[part]] if distill else None
+        args = (draft, hidden[part], prev[part], labels[part], target)
+        if torch.is_grad_enabled():
+            terms.append(checkpoint(_slot_terms, *args, use_reentrant=False))
+        else:
+            terms.append(_slot_terms(*args))
+    if terms:
+        ce, l1, bce, correct, acceptance = (torch.cat(t) for t in zip(*terms, strict=True))
+    else:  # no supervised slot: a zero loss that still reaches the parameters
+        ce = l1 = bce = correct = acceptance = hidden.sum() * 0.0 + torch.zeros(0)
+    total = w.sum().clamp_min(1e-6)
+    c = cfg.ce_weight if distill else 1.0
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (w * x).sum() / total
+
+    loss = c * mean(ce) + (1.0 - c) * mean(l1)
+    if distill and draft.confidence_head is not None:
+        loss = loss + cfg.confidence_weight * mean(bce)
+    metrics = {"loss": loss.detach(), "ce": mean(ce).detach(), "l1": mean(l1).detach(),
+               "confidence": mean(bce).detach(), "acc": mean(correct).detach(),
+               "acceptance": mean(acceptance).detach(),
+               "slots": torch.tensor(float(rows.numel()))}
+    return loss, metrics

@@ -1,0 +1,47 @@
+"""What each draft `method` fixes: the settings of DSpine, DFlash and DSpark (METHOD 2.5).
+
+Plain data, read by `DSpineConfig.apply_method`, the formats and the training config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# What each `method` fixes (METHOD 1, 2.5). `dflash` is the reference DFlash network
+# and decode (z-lab's `DFlashDraftModel`): no injection, bidirectional attention inside the block,
+# each slot decoded by its own argmax, and none of DSpine's extra training terms. `dspark` is
+# DeepSpec's DSpark: the same backbone, but the anchor slot predicts too (B predictions, slot k
+# predicts token a+k+1), plus a Markov head and a confidence head (`markov_head.py`). A field
+# left unset (None) takes its method's value; a method refuses any other value for the fields
+# it fixes (`METHOD_FREE_FIELDS` lists the ones it leaves open; see `apply_method`).
+_DSPARK_OFF = {"markov_rank": 0, "markov_head_type": "vanilla",
+               "enable_confidence_head": False, "confidence_head_with_markov": False}
+_PLAIN_BACKBONE = {"injection": False, "block_attention": "bidirectional",
+                   "transition_cache": False, "refine_weight": 0.0, "alignment_weight": 0.0,
+                   "token_ce_intermediate": False}
+METHOD_PRESETS: dict[str, dict[str, Any]] = {
+    "dspine": {
+        "injection": True,
+        "block_attention": "causal",
+        "transition_cache": True,
+        "refine_weight": 1.0,
+        "alignment_weight": 0.5,
+        "token_ce_intermediate": False,
+        **_DSPARK_OFF,
+    },
+    "dflash": {**_PLAIN_BACKBONE, **_DSPARK_OFF},
+    # DeepSpec's published DSpark: rank-256 first-order ("vanilla") Markov head, confidence head
+    # on [hidden ; W1[previous token]].
+    "dspark": {**_PLAIN_BACKBONE, "markov_rank": 256, "markov_head_type": "vanilla",
+               "enable_confidence_head": True, "confidence_head_with_markov": True},
+}
+# The preset fields each method leaves open (DSpine's ablation switches; DSpark's head
+# settings); every other preset field is fixed by the method.
+METHOD_FREE_FIELDS: dict[str, tuple[str, ...]] = {
+    "dspine": ("injection", "block_attention", "transition_cache", "refine_weight",
+               "alignment_weight", "token_ce_intermediate"),
+    "dflash": (),
+    "dspark": tuple(_DSPARK_OFF),
+}
+# Methods whose anchor slot is itself a prediction (slot k predicts token a+k+1).
+ANCHOR_PREDICTING_METHODS = ("dspark",)
