@@ -300,7 +300,7 @@ def main() -> None:
     args.batch_size = max(args.batch_sizes)
     engine = build_engine(args)
     chat = not args.no_chat
-    g_values = args.num_draft_tokens or [engine.block_size - 1]
+    g_values = args.num_draft_tokens or [engine.num_predictions]
     common = dict(max_new_tokens=args.max_new_tokens, chat=chat, seed=args.seed)
 
     rows: list[EngineRun] = []

@@ -23,7 +23,6 @@ from speculators import SpeculatorModel
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
 from dspine_train.engine import Engine
-from dspine_train.engine.errors import CheckpointError
 from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
@@ -316,13 +315,16 @@ def test_formats_that_cannot_hold_a_dspark_draft_refuse_it(world, capsys):
 
 
 def test_the_engine_and_trainer_refuse_a_dspark_draft_for_now(world):
-    """Until its decode and objective land, neither runs DSpark as another method."""
+    """The engine serves DSpark (below: a block of block_size drafts, our export and its
+    speculators import alike; `test_engine_dspark.py` proves it lossless); until its objective
+    lands, the trainer does not run DSpark as another method."""
     ours = _ours(world)
     cache = ours.new_context_cache(1, 16)
-    with pytest.raises(NotImplementedError, match="method: dspark drafts are not decoded"):
-        ours.propose(cache, torch.tensor([3]))
-    with pytest.raises(CheckpointError, match="the engine does not decode DSpark yet"):
-        Engine.from_pretrained(world["root"] / "target", world["root"] / "ours")
+    assert ours.propose(cache, torch.tensor([3])).tokens.shape == (1, BLOCK)
+    served = [Engine.from_pretrained(world["root"] / "target", world["root"] / name,
+                                     max_seq_len=64, eos_token_ids=[]).generate(
+        world["prompts"], max_new_tokens=12, chat=False).token_ids for name in ("ours", "spec")]
+    assert served[0] == served[1]
     with pytest.raises(TrainingError, match="model.method: dspark: .* the trainer does not run them yet"):
         check_inputs(compose_train_config("recipe=tiny", "model.method=dspark"))
     # the schema knows the head settings (a Literal becomes an Enum)

@@ -4,6 +4,12 @@
 exponential race's Exp(1) draws passed in), built with the engine's step options (compiled and
 CUDA-graph-captured on CUDA, like every engine step). The token tree's draft lives in
 `engine.tree_verify`.
+
+A block proposes `draft_predictions` tokens: block_size - 1 for DSpine and DFlash (the anchor
+slot is the given token), block_size for DSpark, whose anchor slot predicts too and whose Markov
+head decodes the block left to right (`DSpineDraftModel.propose`). Either way a proposal is
+tokens `(B, P)` and, when sampling, each slot's q over its candidates, drawn given the tokens
+drafted before it: what the chain's rejection sampling needs.
 """
 
 from __future__ import annotations
@@ -16,6 +22,17 @@ import torch
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.sampling import Sampler
 from dspine_train.modeling.exponential_race import exponential_noise
+
+
+def is_dspark(draft: Any | None) -> bool:
+    """Whether `draft` is a `method: dspark` draft (its anchor slot predicts too)."""
+    return draft is not None and bool(getattr(draft.config, "anchor_predicts", False))
+
+
+def draft_predictions(config: Any) -> int:
+    """Tokens one block of the draft with `config` proposes (`num_predictions`): block_size - 1,
+    or block_size for DSpark; drafts without the property (test oracles) draft block_size - 1."""
+    return int(getattr(config, "num_predictions", int(config.block_size) - 1))
 
 
 class ChainDrafter:
@@ -60,20 +77,20 @@ class ChainDrafter:
     def noise(
         self, batch: int, generator: torch.Generator | None, device: torch.device
     ) -> torch.Tensor:
-        """Exp(1) draws `(B, Bk-1, K)` for one sampling draft block (see `sample`)."""
-        shape = (batch, int(self.draft.config.block_size) - 1, self.draft.num_candidates)
+        """Exp(1) draws `(B, P, K)` for one sampling draft block (see `sample`)."""
+        shape = (batch, draft_predictions(self.draft.config), self.draft.num_candidates)
         return exponential_noise(shape, generator, device)
 
     # ------------------------------------------------------------------ the steps
     def greedy(self, anchors: torch.Tensor, kv_len: int) -> tuple[torch.Tensor]:
-        """Greedy proposals: tokens `(B, Bk-1)`."""
+        """Greedy proposals: tokens `(B, P)`."""
         return (self.draft.propose(self.draft_cache(), anchors, 0.0, None, kv_len=kv_len).tokens,)
 
     def sample(
         self, anchors: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor, kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled proposals: tokens `(B, Bk-1)`, q and candidates `(B, Bk-1, K)`, given the
-        race's Exp(1) `noise (B, Bk-1, K)` and the 0-dim `temperature` tensor (one capture
+        """Sampled proposals: tokens `(B, P)`, q and candidates `(B, P, K)`, given the
+        race's Exp(1) `noise (B, P, K)` and the 0-dim `temperature` tensor (one capture
         serves every temperature)."""
         proposal = self.draft.propose(
             self.draft_cache(), anchors, temperature, None, kv_len=kv_len, noise=noise

@@ -99,7 +99,8 @@ def add_round_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-draft-tokens",
         type=int,
         default=None,
-        help="draft tokens verified per round (default: block_size - 1)",
+        help="draft tokens verified per round (default: the block's predictions, "
+        "block_size - 1, or block_size for a dspark draft)",
     )
     parser.add_argument("--ar", action="store_true", help="plain decoding even with a draft")
     parser.add_argument(

@@ -2,11 +2,15 @@
 
 One round for a batch of sequences, each with its own committed length:
 
-    draft.propose(context cache, anchors)        -> d_1..d_Bk-1 (the first g are verified)
+    draft.propose(context cache, anchors)        -> d_1..d_P (the first g are verified)
     target([anchor, d_1..d_g]) in one forward    -> logits of g + 1 positions + context features
     accept (greedy prefix / rejection sampling)  -> a accepted drafts + 1 bonus token per sequence
     commit: target cache keeps anchor + d_1..d_a; the draft context gets their target features;
             the bonus token becomes the next anchor (its features arrive with the next verify).
+
+P is the draft's predictions per block (`num_predictions`): Bk-1 for DSpine and DFlash, Bk for
+a DSpark draft, whose anchor slot predicts too and whose Markov head decodes the block left to
+right (`DSpineDraftModel.propose`); the round is the same either way.
 
 With `tree_paths` M > 1 a round drafts and verifies a token tree instead of the chain (the top-M
 paths through the draft's K x K lattice; `engine.tree_verify`), and commits the accepted path
@@ -38,7 +42,7 @@ from typing import Any
 import torch
 
 from dspine_train.chat_template import KWARGS_KEY, template_mismatch
-from dspine_train.engine.chain_draft import ChainDrafter
+from dspine_train.engine.chain_draft import ChainDrafter, draft_predictions, is_dspark
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.decode_loop import (
     GenerationResult,
@@ -83,6 +87,9 @@ class Engine:
     call's generator. A failed compile/capture raises with `strict_graphs=True` and otherwise
     warns and runs that step eager. `compile_backend` is `torch.compile`'s backend ("eager"
     traces the steps without generating kernels).
+
+    A DSpark draft (`method: dspark`) drafts `block_size` tokens a block (`num_predictions`),
+    served as a chain only: `tree_paths` > 1 and `ngram` with it are refused by name.
 
     `tree_paths` M > 1 verifies a token tree per round instead of the chain (see
     `engine.tree_verify`; lossless when greedy and when sampling): the top-M paths through the
@@ -146,18 +153,14 @@ class Engine:
         self.chat_template_kwargs = dict(
             chat_template_kwargs if chat_template_kwargs is not None else recorded or {}
         )
+        self.num_predictions = 0  # drafts per block: block_size - 1, or block_size (DSpark)
         if draft is not None:
-            if getattr(draft.config, "method", None) == "dspark":
-                # refused here, before any setup, rather than at its first round
-                raise CheckpointError(
-                    "a method: dspark draft: the engine does not decode DSpark yet (its "
-                    "blocks of block_size drafts); serve it with vLLM (--format speculators "
-                    "or deepspec)")
             check_draft_fits_target(draft.config, target, tokenizer)
             mismatch = template_mismatch(draft.config, tokenizer, self.chat_template_kwargs)
             if mismatch:
                 warnings.warn(mismatch, stacklevel=2)
             self.block_size = int(draft.config.block_size)
+            self.num_predictions = draft_predictions(draft.config)
             draft.to(device=self.device, dtype=target.dtype).eval()
             draft.bind_target(target.model.embed_tokens.weight, target.lm_head.weight)
             target.set_feature_layers(draft.config.target_layer_ids)
@@ -251,8 +254,8 @@ class Engine:
     ) -> GenerationResult:
         """Speculative decoding: lossless w.r.t. `generate_ar` with the same arguments.
 
-        `num_draft_tokens` (g) is how many of the block's `block_size - 1` proposals the target
-        verifies per round; fewer can be faster where verifying is compute-bound (CPU).
+        `num_draft_tokens` (g) is how many of the block's `num_predictions` proposals
+        (`block_size - 1`; `block_size` for a DSpark draft) the target verifies per round; fewer can be faster where verifying is compute-bound (CPU).
         `max_new_tokens` and `stop` may be given per prompt (a list of ints; a list of lists of
         strings); `on_tokens(row, tokens)` sees each row's tokens as rounds commit them and
         may end the row by returning True (see `decode_loop.run`).
@@ -306,10 +309,12 @@ class Engine:
         """g: the draft tokens verified per round (0 without a draft)."""
         if self.draft is None:
             return 0
-        g = self.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
-        if not 1 <= g <= self.block_size - 1:
+        top = self.num_predictions
+        g = top if num_draft_tokens is None else int(num_draft_tokens)
+        if not 1 <= g <= top:
             raise GenerationInputError(
-                f"num_draft_tokens={g} must be in 1..{self.block_size - 1} (block_size - 1)"
+                f"num_draft_tokens={g} must be in 1..{top} (the draft's predictions per block: "
+                "block_size - 1, or block_size for a method: dspark draft)"
             )
         return g
 
@@ -322,6 +327,11 @@ class Engine:
             )
         if paths > 1 and self.draft is None:
             raise GenerationInputError("tree_paths > 1 needs a draft")
+        if paths > 1 and is_dspark(self.draft):
+            raise GenerationInputError(
+                f"tree_paths={paths} (CLI: --tree-paths): a method: dspark draft is served as a "
+                "chain only (its Markov head decodes one path left to right; token trees are "
+                "built from DSpine's transition lattice); use tree_paths=1")
         if paths == 1 and nodes is not None:  # a chain has no tree to size: not ignored
             raise GenerationInputError(
                 f"tree_nodes={nodes} (CLI: --tree-nodes) sizes a token tree and needs "
@@ -331,6 +341,11 @@ class Engine:
     def configure_ngram(self, ngram: NgramConfig | None, adaptive: bool = False) -> None:
         """N-gram candidates (None: none) and whether round shapes are chosen by measured cost,
         for the calls from now on."""
+        if ngram is not None and is_dspark(self.draft):
+            raise GenerationInputError(
+                "ngram (CLI: --ngram) with a method: dspark draft: the hybrid rounds merge the "
+                "n-gram branch into a token tree, which a DSpark draft does not propose; serve "
+                "it without --ngram (or the n-gram mode without a draft)")
         self.ngram, self.adaptive = ngram, bool(adaptive)
         self._costs.clear()  # measured for other shapes
         # What the proposals scored in earlier calls (`round_planner.PlannerMemory`).

@@ -87,29 +87,30 @@ def check_warmup(
     kv_buckets: Sequence[int] | None,
     *,
     max_batch_size: int,
-    block_size: int,
-    has_draft: bool,
+    max_draft_tokens: int,
     valid_buckets: list[int],
     kv_bucket_size: int,
     max_seq_len: int,
 ) -> tuple[list[int], list[int], list[int]]:
-    """The warmup's batch sizes, numbers of draft tokens and kv buckets, sorted and checked."""
+    """The warmup's batch sizes, numbers of draft tokens and kv buckets, sorted and checked;
+    `max_draft_tokens` the draft's predictions per block (0: no draft)."""
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or not all(1 <= b <= max_batch_size for b in sizes):
         raise GenerationInputError(
             f"warmup batch_sizes={list(batch_sizes)} must be non-empty, each in "
             f"1..max_batch_size={max_batch_size}")
+    has_draft = max_draft_tokens > 0
     if num_draft_tokens is None:
-        gs = [0, block_size - 1] if has_draft else [0]
+        gs = [0, max_draft_tokens] if has_draft else [0]
     elif isinstance(num_draft_tokens, int):
         gs = [num_draft_tokens]
     else:
         gs = sorted({int(g) for g in num_draft_tokens})
-    top = block_size - 1 if has_draft else 0
+    top = max_draft_tokens
     if not gs or not all(0 <= g <= top for g in gs):
+        bound = "the draft's predictions per block" if has_draft else "no draft: plain decoding"
         raise GenerationInputError(
-            f"warmup num_draft_tokens={gs} must each be in 0..{top} "
-            f"({'block_size - 1' if has_draft else 'no draft: plain decoding'})")
+            f"warmup num_draft_tokens={gs} must each be in 0..{top} ({bound})")
     buckets = valid_buckets if kv_buckets is None else sorted({int(b) for b in kv_buckets})
     bad = [b for b in buckets if b not in valid_buckets]
     if not buckets or bad:

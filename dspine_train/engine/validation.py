@@ -32,10 +32,12 @@ def check_draft_files(directory: str | Path) -> None:
         fields = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{directory}/config.json: unreadable ({err})") from err
-    from dspine_train.formats.dflash import is_dflash_config
+    from dspine_train.formats import readable_format
 
     try:  # every field the export writes must be there (no silent defaults)
-        if not is_dflash_config(fields):  # a DFlash checkpoint is checked by its importer
+        # a DFlash, SpecForge, DeepSpec or speculators DSpark checkpoint is checked by its
+        # importer (`load_draft`), strictly too
+        if readable_format(fields, directory) == "dspine":
             DSpineConfig.check_export_dict(fields, str(directory))
     except (ValueError, TypeError) as err:
         raise CheckpointError(str(err)) from err

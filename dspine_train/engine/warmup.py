@@ -33,7 +33,7 @@ def warm_up(
     """Compile and capture every step at these shapes before anything is timed.
 
     `batch_sizes` in 1..max_batch_size; `num_draft_tokens` the g values (0 is plain
-    decoding; default: 0 and block_size - 1 with a draft, 0 without); `kv_buckets` values
+    decoding; default: 0 and the draft's predictions per block, 0 without); `kv_buckets` values
     of `kv_buckets()` (default: all of them). On CPU, where nothing is captured, it checks
     the arguments and runs each step once eagerly at the smallest bucket. Returns the number
     of captured graphs and the seconds it took. The greedy steps always; with `temperature`
@@ -44,7 +44,7 @@ def warm_up(
     """
     sizes, gs, buckets = check_warmup(
         batch_sizes, num_draft_tokens, kv_buckets, max_batch_size=engine.max_batch_size,
-        block_size=engine.block_size, has_draft=engine.draft is not None,
+        max_draft_tokens=engine.num_predictions,
         valid_buckets=engine.kv_buckets(), kv_bucket_size=engine.kv_bucket_size,
         max_seq_len=engine.max_seq_len)
     check_sampling(temperature, top_p, "warmup ")
@@ -85,7 +85,7 @@ def warm_up(
                 anchors = torch.zeros(batch, dtype=torch.long, device=engine.device)
                 draft_steps = [(engine._draft_step, (anchors,))]
                 if sampling:  # any Exp(1) values and temperature do for a capture
-                    shape = (batch, engine.block_size - 1, engine.draft.num_candidates)
+                    shape = (batch, engine.num_predictions, engine.draft.num_candidates)
                     noise = torch.ones(shape, device=engine.device)
                     scale = torch.ones((), device=engine.device)
                     draft_steps.append((engine._draft_sample_step, (anchors, noise, scale)))

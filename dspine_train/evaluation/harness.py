@@ -148,7 +148,7 @@ def evaluate(target: str | Path, draft: str | Path, benches: Sequence[Benchmark]
                               tree_paths=tree_paths, tree_nodes=tree_nodes)
     if engine.draft is None:
         raise BenchmarkError("the engine has no draft to evaluate")
-    g = engine.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
+    g = engine.num_predictions if num_draft_tokens is None else int(num_draft_tokens)
     try:
         engine.configure_tree(tree_paths, tree_nodes)
     except ValueError as err:  # GenerationInputError: a bad budget, named

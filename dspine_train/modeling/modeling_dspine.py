@@ -82,10 +82,11 @@ class DSpineTrainOutput:
 class DraftProposal:
     """One drafted block per sequence.
 
-    tokens: (B, Bk-1) draft tokens for positions anchor+1 .. anchor+Bk-1.
-    q: (B, Bk-1, K) float32 distribution each token was sampled from, over that slot's
+    tokens: (B, P) draft tokens for positions anchor+1 .. anchor+P (P = `num_predictions`:
+        Bk-1, or Bk for DSpark).
+    q: (B, P, K) float32 distribution each token was sampled from, over that slot's
         `candidates`; None for greedy.
-    candidates: (B, Bk-1, K) long target ids q is over (distinct per slot); None for greedy.
+    candidates: (B, P, K) long target ids q is over (distinct per slot); None for greedy.
     """
 
     tokens: torch.Tensor
@@ -575,16 +576,16 @@ class DSpineDraftModel(DSpinePreTrainedModel):
     ) -> DraftProposal:
         """Draft one block per sequence after its committed context; anchor_ids (B,).
 
-        `kv_len` bounds the context slots attended to (see `draft_forward`). Sampling as in
-        `walk`: `noise (B, Bk-1, K)` makes it a pure function of tensors (the engine's
-        compiled, captured sampling step).
+        P = `config.num_predictions` tokens: Bk-1 (DSpine, DFlash: `walk`), or Bk for a DSpark
+        draft, decoded left to right by its Markov head (`dspark_walk`), each slot's q the
+        softmax it drew from given the token drafted before it. `kv_len` bounds the context
+        slots attended to (see `draft_forward`). Sampling as in `walk`: `noise (B, P, K)` makes
+        it a pure function of tensors (the engine's compiled, captured sampling step).
         """
-        if self.config.anchor_predicts:
-            raise NotImplementedError(
-                "method: dspark drafts are not decoded by the engine yet: it drafts Bk "
-                "tokens a block, decoded by `dspark_walk`, which the engine's verify step does "
-                "not take yet")
         slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
+        if self.config.anchor_predicts:
+            result = self.dspark_walk(slot_logits, anchor_ids, temperature, generator, noise)
+            return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
         result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator, noise)
         return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
 

@@ -38,7 +38,7 @@ def time_engine_steps(
     on CPU it is `perf_counter`. The commit restores the lengths it advanced after each call
     (outside the timing), so every iteration commits the same round.
     """
-    g = (engine.block_size - 1 if engine.draft is not None else 0) if g is None else int(g)
+    g = engine.num_predictions if g is None else int(g)
     need = context_len + max(g + 1, engine.block_size)
     if not 1 <= batch <= engine.max_batch_size or need > engine.max_seq_len or iters < 1:
         raise GenerationInputError(
@@ -98,7 +98,7 @@ def sdpa_backends(
     The calls run eagerly at the engine's dtype and device. With `strict` they run under
     `fused_sdpa_only()`, so a call that would need the math kernel raises instead.
     """
-    g = (engine.block_size - 1 if engine.draft is not None else 0) if g is None else int(g)
+    g = engine.num_predictions if g is None else int(g)
     calls: list[tuple[str, str]]
     with torch.inference_mode(), record_sdpa_backends() as calls:
         context = fused_sdpa_only() if strict else nullcontext()
