@@ -255,3 +255,12 @@ def test_the_compiled_steps_trace_a_dspark_block_as_one_graph(world):
     for step in (engine._draft_step, engine._draft_sample_step):
         assert step.compiled and step._compiled_keys  # ran compiled, no fallback
     assert _batched(engine, prompts)[0] == world["reference"][:2]
+
+
+def test_adaptive_rounds_choose_between_plain_steps_and_dspark_blocks(world):
+    """Without n-gram candidates the planner picks a plain step or the DSpark chain each round
+    (costs measured on the engine's own steps); the output is unchanged."""
+    engine = _engine(world, "trained", adaptive=True)
+    out, stats = _batched(engine, world["prompts"][:4])
+    assert out == world["reference"][:4]
+    assert set(stats[0].round_shapes) <= {"plain", "chain"}
