@@ -255,7 +255,8 @@ class Engine:
         """Speculative decoding: lossless w.r.t. `generate_ar` with the same arguments.
 
         `num_draft_tokens` (g) is how many of the block's `num_predictions` proposals
-        (`block_size - 1`; `block_size` for a DSpark draft) the target verifies per round; fewer can be faster where verifying is compute-bound (CPU).
+        (`block_size - 1`; `block_size` for a DSpark draft) the target verifies per round;
+        fewer can be faster where verifying is compute-bound (CPU).
         `max_new_tokens` and `stop` may be given per prompt (a list of ints; a list of lists of
         strings); `on_tokens(row, tokens)` sees each row's tokens as rounds commit them and
         may end the row by returning True (see `decode_loop.run`).
