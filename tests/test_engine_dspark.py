@@ -74,7 +74,8 @@ def _dspark(hf, vocab: int, **overrides):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny Qwen3 target (6 layers) with tokenizer, ragged prompts, HF greedy outputs, an
-    untrained and a trained DSpark draft, and the trained one exported as speculators."""
+    untrained and a trained DSpark draft, and the trained one exported as speculators and as
+    deepspec."""
     root = tmp_path_factory.mktemp("dspark_engine")
     build_tiny_target(root / "target", "qwen3", head_scale=4.0, num_hidden_layers=6,
                       eos_token_id=None)
@@ -90,7 +91,8 @@ def world(tmp_path_factory):
     sequences = torch.tensor([p + hf_greedy(hf, p, 40 - len(p)) for p in prompts[:8]])
     trained = train_dspark_briefly(_dspark(hf, 200), hf, sequences, steps=80, lr=1e-2)
     trained.save_pretrained(root / "trained")
-    assert export_main([str(root / "trained"), str(root / "spec"), "--format", "speculators"]) == 0
+    for fmt, name in (("speculators", "spec"), ("deepspec", "deepspec")):
+        assert export_main([str(root / "trained"), str(root / name), "--format", fmt]) == 0
     return {"root": root, "hf": hf, "prompts": prompts, "reference": reference}
 
 
@@ -179,15 +181,16 @@ def test_each_round_drafts_what_the_trained_network_decodes(world):
         assert forced.argmax(-1).tolist() == drafted
 
 
-def test_the_speculators_export_serves_the_same_tokens(world):
-    """The trained draft exported with `--format speculators` and imported back serves the
-    same tokens, greedy and sampled with a seed."""
-    ours, spec = _engine(world, "trained"), _engine(world, "spec")
-    assert spec.draft.config.method == "dspark" and spec.num_predictions == BLOCK
+@pytest.mark.parametrize("fmt", ["spec", "deepspec"])
+def test_the_speculators_and_deepspec_exports_serve_the_same_tokens(world, fmt):
+    """The trained draft exported with `--format speculators` (or `deepspec`) and imported
+    back serves the same tokens, greedy and sampled with a seed."""
+    ours, imported = _engine(world, "trained"), _engine(world, fmt)
+    assert imported.draft.config.method == "dspark" and imported.num_predictions == BLOCK
     prompts = world["prompts"][:4]
-    assert _batched(spec, prompts)[0] == _batched(ours, prompts)[0] == world["reference"][:4]
+    assert _batched(imported, prompts)[0] == _batched(ours, prompts)[0] == world["reference"][:4]
     sampled = [e.generate(prompts, max_new_tokens=12, temperature=0.8, top_p=0.9, chat=False,
-                          seed=3).token_ids for e in (ours, spec)]
+                          seed=3).token_ids for e in (ours, imported)]
     assert sampled[0] == sampled[1]
 
 
