@@ -28,8 +28,6 @@ from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.training.config import compose_train_config
-from dspine_train.training.errors import TrainingError
-from dspine_train.training.inputs import check_inputs
 
 VOCAB = 200  # ids the tokenizer would use; the mask token is 200
 LAYERS = 6  # target depth
@@ -315,16 +313,15 @@ def test_formats_that_cannot_hold_a_dspark_draft_refuse_it(world, capsys):
         assert not out.exists()
 
 
-def test_the_engine_and_trainer_refuse_a_dspark_draft_for_now(world):
-    """Until its decode and objective land, neither runs DSpark as another method."""
+def test_the_engine_refuses_a_dspark_draft_for_now(world):
+    """Until its decode lands, the engine does not serve DSpark (the trainer trains it:
+    tests/test_train_run.py)."""
     ours = _ours(world)
     cache = ours.new_context_cache(1, 16)
     with pytest.raises(NotImplementedError, match="method: dspark drafts are not decoded"):
         ours.propose(cache, torch.tensor([3]))
     with pytest.raises(CheckpointError, match="the engine does not decode DSpark yet"):
         Engine.from_pretrained(world["root"] / "target", world["root"] / "ours")
-    with pytest.raises(TrainingError, match="model.method: dspark: .* the trainer does not run them yet"):
-        check_inputs(compose_train_config("recipe=tiny", "model.method=dspark"))
     # the schema knows the head settings (a Literal becomes an Enum)
     with pytest.raises(ConfigCompositionException, match="markov_head_type"):
         compose_train_config("recipe=tiny", "model.markov_head_type=cubic")

@@ -127,15 +127,19 @@ class BlockResults:
     """The simulated evaluation of a fixed set of held-out blocks, one entry per block.
 
     rows: dataset row of each block (the cluster); anchors: its anchor position; accepted:
-    drafts accepted there (0..block_size-1); block_size: the draft's block size.
+    drafts accepted there (0..num_drafts); block_size: the draft's block size; num_drafts: the
+    drafts of a block (None: block_size - 1; a DSpark block drafts block_size).
     """
 
     rows: np.ndarray
     anchors: np.ndarray
     accepted: np.ndarray
     block_size: int
+    num_drafts: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_drafts is None:
+            self.num_drafts = self.block_size - 1
         self.rows = np.asarray(self.rows, dtype=np.int64)
         self.anchors = np.asarray(self.anchors, dtype=np.int64)
         self.accepted = np.asarray(self.accepted, dtype=np.int64)
@@ -163,10 +167,10 @@ class BlockResults:
         return clustered_se(self.accepted, self.rows)
 
     def position_rates(self) -> list[float]:
-        """Share of blocks whose first k drafts were all accepted, k = 1..block_size-1."""
+        """Share of blocks whose first k drafts were all accepted, k = 1..num_drafts."""
         if not self.blocks:
-            return [float("nan")] * (self.block_size - 1)
-        return [float((self.accepted >= k).mean()) for k in range(1, self.block_size)]
+            return [float("nan")] * self.num_drafts
+        return [float((self.accepted >= k).mean()) for k in range(1, self.num_drafts + 1)]
 
     def summary(self) -> dict[str, Any]:
         """The figures a report shows: blocks, rows, tau with both SEs, per-position rates."""
@@ -187,14 +191,18 @@ class BlockResults:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez_compressed(tmp, rows=self.rows, anchors=self.anchors, accepted=self.accepted,
-                            block_size=np.int64(self.block_size))
+                            block_size=np.int64(self.block_size),
+                            num_drafts=np.int64(self.num_drafts))
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> BlockResults:
         """Read records written by `save`."""
         with np.load(path) as data:
-            return cls(data["rows"], data["anchors"], data["accepted"], int(data["block_size"]))
+            # records written before `num_drafts` was saved are of B-1-draft blocks
+            drafts = int(data["num_drafts"]) if "num_drafts" in data else None
+            return cls(data["rows"], data["anchors"], data["accepted"], int(data["block_size"]),
+                       drafts)
 
 
 def paired_difference(a: BlockResults, b: BlockResults) -> dict[str, float]:
