@@ -10,7 +10,8 @@ greedy token == the data token, inside the supervised response (`accepted_prefix
 all-reduce; `AcceptanceStats` is the result.
 
 The every-block evaluation (`held_out.simulated_block_accepts`) yields one number per block: the
-drafts the target accepts there (0..B-1; tau of the block = 1 + that), kept as `BlockResults`.
+drafts the target accepts there (0..B-1, or 0..B for a DSpark block of B drafts; tau of the
+block = 1 + that), kept as `BlockResults`.
 Blocks of one dataset row are not independent (a row the draft finds easy is easy at every
 anchor), so besides the plain standard error of the mean over blocks this reports a per-row
 clustered one, and two drafts evaluated on the very same blocks are compared *paired*: the mean
@@ -43,9 +44,10 @@ def accepted_prefix(
     data_tokens: torch.Tensor,
     supervised: torch.Tensor,
 ) -> torch.Tensor:
-    """Per-slot "accepted so far" flags (..., Bk-1) as float 0/1.
+    """Per-slot "accepted so far" flags (..., P) as float 0/1, P the drafts of a block (Bk-1;
+    DSpark: Bk).
 
-    All inputs (..., Bk-1): draft tokens, the target's greedy tokens, the data tokens and
+    All inputs (..., P): draft tokens, the target's greedy tokens, the data tokens and
     whether the slot is inside the sequence's supervised response.
     """
     ok = (draft_tokens == target_tokens) & (data_tokens == target_tokens) & supervised
@@ -57,7 +59,8 @@ class AcceptanceStats:
     """Accumulated acceptance over blocks.
 
     blocks: number of evaluated blocks; accepted: sum of accepted slots over blocks;
-    per_position: (Bk-1,) blocks whose first k slots were all accepted, k = 1..Bk-1.
+    per_position: (P,) blocks whose first k slots were all accepted, k = 1..P (P = Bk-1, or
+    Bk for DSpark).
     """
 
     blocks: float = 0.0
@@ -70,7 +73,7 @@ class AcceptanceStats:
         return 1.0 + self.accepted / max(self.blocks, 1.0)
 
     def position_rates(self) -> list[float]:
-        """Share of blocks whose first k drafted tokens were all accepted, k = 1..Bk-1."""
+        """Share of blocks whose first k drafted tokens were all accepted, k = 1..P."""
         return [p / max(self.blocks, 1.0) for p in self.per_position]
 
     def as_metrics(self, prefix: str = "eval/") -> dict[str, float]:
