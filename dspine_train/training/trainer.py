@@ -4,7 +4,8 @@ One optimizer step = `grad_accum_steps` micro-batches on each of the W processes
 the frozen target yields the context features and its final hidden state, anchors are sampled
 (METHOD 1), a share of blocks gets true predecessor codes (the replacement curriculum, METHOD 2.2),
 all blocks run in one draft forward and `dspine_loss` (METHOD 2.3; a DSpark draft:
-`dspark_loss`) is backpropagated through DeepSpeed, which also accumulates, clips, steps the optimizer and the warmup + cosine schedule.
+`dspark_loss`) is backpropagated through DeepSpeed, which also accumulates, clips, steps the
+optimizer and the warmup + cosine schedule.
 
 Everything random in a step is drawn from a generator seeded by (seed, global batch index), and
 the data position is one integer, so a resumed run repeats an uninterrupted one exactly.
