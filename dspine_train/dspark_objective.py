@@ -18,8 +18,9 @@ the confidence terms are dropped (there is no p_t to measure acceptance against)
 Full-vocabulary logits exist for one chunk of slots at a time, recomputed in backward
 (activation checkpointing), so B x S x V is never materialised (METHOD 4).
 
-Not yet wired into the trainer (`train.py model.method=dspark` is refused in its input check):
-its evaluation decode (the Markov head's left-to-right walk) comes with the engine's.
+The trainer calls it for a `method: dspark` draft (`training.draft_step.DraftStep`); its
+metrics carry the trainer's names for the shared terms (`backbone_ce`, `backbone_l1`,
+`top1_acc`) so logs and plots read the same for every method.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def dspark_loss(
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DSpark objective for one training forward (`draft(...)` of a `method: dspark` draft);
-    returns (loss, detached metrics: loss, ce, l1, confidence, acc (top-1), acceptance (mean
-    1 - L1/2), supervised slot count). target_final_hidden (B, S, H): the target's final normed
-    hidden states; slot j of anchor a reads its distribution at position a + j."""
+    returns (loss, detached metrics: loss, backbone_ce, backbone_l1, confidence_bce, top1_acc,
+    acceptance (mean 1 - L1/2), supervised_slots). target_final_hidden (B, S, H): the target's
+    final normed hidden states; slot j of anchor a reads its distribution at position a + j."""
     cfg = draft.config
     if not cfg.anchor_predicts or out.prev_ids is None:
         raise ValueError(f"dspark_loss: a method: {cfg.method} draft (use objective.dspine_loss)")
@@ -113,7 +114,7 @@ def dspark_loss(
     if terms:
         ce, l1, bce, correct, acceptance = (torch.cat(t) for t in zip(*terms, strict=True))
     else:  # no supervised slot: a zero loss that still reaches the parameters
-        ce = l1 = bce = correct = acceptance = hidden.sum() * 0.0 + torch.zeros(0)
+        ce = l1 = bce = correct = acceptance = hidden.sum() * 0.0 + torch.zeros(0, device=hidden.device)
     total = w.sum().clamp_min(1e-6)
     c = cfg.ce_weight if distill else 1.0
 
@@ -123,8 +124,8 @@ def dspark_loss(
     loss = c * mean(ce) + (1.0 - c) * mean(l1)
     if distill and draft.confidence_head is not None:
         loss = loss + cfg.confidence_weight * mean(bce)
-    metrics = {"loss": loss.detach(), "ce": mean(ce).detach(), "l1": mean(l1).detach(),
-               "confidence": mean(bce).detach(), "acc": mean(correct).detach(),
-               "acceptance": mean(acceptance).detach(),
-               "slots": torch.tensor(float(rows.numel()))}
+    metrics = {"loss": loss.detach(), "backbone_ce": mean(ce).detach(),
+               "backbone_l1": mean(l1).detach(), "confidence_bce": mean(bce).detach(),
+               "top1_acc": mean(correct).detach(), "acceptance": mean(acceptance).detach(),
+               "supervised_slots": torch.tensor(float(rows.numel()), device=loss.device)}
     return loss, metrics

@@ -105,6 +105,8 @@ def test_recipe_method_is_one_setting():
         compose_train_config("recipe=tiny", "export.format=dflash")
     config = compose_train_config("recipe=tiny", "export.format=dflash", "model.method=dflash")
     assert config.export.format == "dflash"
+    with pytest.raises(ConfigError, match=r"DSpark draft's anchor slot .* --format speculators"):
+        compose_train_config("recipe=tiny", "export.format=dflash", "model.method=dspark")
 
 
 # ----------------------------------------------------------------------------- export

@@ -98,8 +98,8 @@ def test_loss_equals_deepspecs_formula(target):
     with torch.no_grad():
         ref = _deepspec_reference(draft, ids, out, final, loss_mask, anchors, mask)
     torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-5)
-    assert metrics["confidence"] > 0 and 0 < metrics["acceptance"] < 1
-    assert metrics["slots"] > 0
+    assert metrics["confidence_bce"] > 0 and 0 < metrics["acceptance"] < 1
+    assert metrics["supervised_slots"] > 0
 
 
 def test_chunked_loss_and_gradients_equal_unchunked(target):
@@ -126,8 +126,8 @@ def test_without_distillation_it_is_the_label_ce(target):
     draft = _dspark(target, distill=False)
     out, final, anchors, mask = _forward(draft, target, ids, loss_mask)
     loss, metrics = dspark_loss(draft, out, final, loss_mask, anchors, mask)
-    torch.testing.assert_close(loss.detach(), metrics["ce"])
-    assert metrics["l1"] == 0 and metrics["confidence"] == 0
+    torch.testing.assert_close(loss.detach(), metrics["backbone_ce"])
+    assert metrics["backbone_l1"] == 0 and metrics["confidence_bce"] == 0
 
 
 def test_loss_goes_down_when_training(target):

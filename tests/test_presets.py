@@ -88,3 +88,39 @@ def test_specforge_objective_preset_keeps_the_recipes_settings(target_config: Pa
 def test_a_command_line_override_still_wins_over_a_preset(target_config: Path) -> None:
     _, draft = _demo_draft(target_config, "preset=specforge_published", "model.candidate_k=8")
     assert draft.candidate_k == 8
+
+
+# ---------------------------------------------------------------------------- DSpark
+DSPARK_PUBLISHED = {"method": "dspark", "num_layers": 5, "block_size": 7,
+                    "target_layer_ids": [1, 9, 17, 25, 33], "loss_gamma": 4.0, "ce_weight": 0.1,
+                    "confidence_weight": 1.0, "distill": True, "markov_rank": 256,
+                    "markov_head_type": "vanilla", "enable_confidence_head": True,
+                    "confidence_head_with_markov": True}
+
+
+def test_the_dspark_recipe_is_deepspecs_published_draft_for_qwen3_8b() -> None:
+    config = compose_train_config("recipe=qwen3_8b_dspark")
+    draft = plan_draft_config(config)  # the Qwen3-8B config under recipes/targets/
+    assert draft.target_num_layers == 36 and draft.num_predictions == 7
+    for name, value in DSPARK_PUBLISHED.items():
+        assert getattr(draft, name) == value, name
+    # the backbone DSpark fixes: DFlash's (no injection, bidirectional block, per-slot decode)
+    assert (draft.injection, draft.block_attention, draft.transition_cache) == (
+        False, "bidirectional", False)
+    # the same data and budget as the DSpine recipe it is compared with
+    dspine = compose_train_config("recipe=qwen3_8b")
+    assert config.data == dspine.data and config.optim == dspine.optim
+    assert config.world_size == dspine.world_size
+
+
+def test_the_dspark_preset_holds_the_recipes_values_at_any_recipes_depth(
+        target_config: Path) -> None:
+    preset = _preset("dspark_published")["model"]
+    assert set(preset) == set(DSPARK_PUBLISHED) - {"num_layers", "target_layer_ids"}
+    ours_config, ours = _demo_draft(target_config)
+    config, draft = _demo_draft(target_config, "preset=dspark_published")
+    for name in preset:  # a null field: DSpineConfig's (or method: dspark's) default
+        assert getattr(draft, name) == DSPARK_PUBLISHED[name], name
+    for name in ("num_layers", "target_layer_ids"):  # the recipe's draft depth and context
+        assert getattr(draft, name) == getattr(ours, name), name
+    assert config.data == ours_config.data and config.optim == ours_config.optim

@@ -27,8 +27,6 @@ from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.training.config import compose_train_config
-from dspine_train.training.errors import TrainingError
-from dspine_train.training.inputs import check_inputs
 
 VOCAB = 200  # ids the tokenizer would use; the mask token is 200
 LAYERS = 6  # target depth
@@ -314,10 +312,10 @@ def test_formats_that_cannot_hold_a_dspark_draft_refuse_it(world, capsys):
         assert not out.exists()
 
 
-def test_the_engine_and_trainer_refuse_a_dspark_draft_for_now(world):
-    """The engine serves DSpark (below: a block of block_size drafts, our export and its
-    speculators import alike; `test_engine_dspark.py` proves it lossless); until its objective
-    lands, the trainer does not run DSpark as another method."""
+def test_the_engine_serves_a_dspark_draft_and_its_speculators_import_alike(world):
+    """A block of block_size drafts, our export and its speculators import alike
+    (`test_engine_dspark.py` proves it lossless; the trainer trains DSpark:
+    tests/test_train_run.py)."""
     ours = _ours(world)
     cache = ours.new_context_cache(1, 16)
     assert ours.propose(cache, torch.tensor([3])).tokens.shape == (1, BLOCK)
@@ -325,8 +323,6 @@ def test_the_engine_and_trainer_refuse_a_dspark_draft_for_now(world):
                                      max_seq_len=64, eos_token_ids=[]).generate(
         world["prompts"], max_new_tokens=12, chat=False).token_ids for name in ("ours", "spec")]
     assert served[0] == served[1]
-    with pytest.raises(TrainingError, match="model.method: dspark: .* the trainer does not run them yet"):
-        check_inputs(compose_train_config("recipe=tiny", "model.method=dspark"))
     # the schema knows the head settings (a Literal becomes an Enum)
     with pytest.raises(ConfigCompositionException, match="markov_head_type"):
         compose_train_config("recipe=tiny", "model.markov_head_type=cubic")

@@ -73,6 +73,28 @@ def zero3_run(tiny_assets, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def dspark_run(tiny_assets, tmp_path_factory) -> Path:
+    """`python train.py recipe=tiny model.method=dspark`: 24 steps, checkpoints at 12 and 24."""
+    out = tmp_path_factory.mktemp("dspark_run")
+    proc = run_train(tiny_overrides(tiny_assets, out, "model.method=dspark",
+                                    f"checkpoint.every={HALF}"))
+    check_ok(proc)
+    assert "target distribution: exact" in proc.stdout  # DSpark's objective: the exact p_t
+    return out
+
+
+@pytest.fixture(scope="module")
+def dspark_resumed(tiny_assets, dspark_run, tmp_path_factory) -> Path:
+    """The DSpark run resumed from its step-12 checkpoint, into another directory."""
+    out = tmp_path_factory.mktemp("dspark_resumed")
+    ckpt = dspark_run / "checkpoints" / checkpoint_name(HALF)
+    check_ok(run_train(tiny_overrides(tiny_assets, out, "model.method=dspark",
+                                      f"checkpoint.every={HALF}",
+                                      f"checkpoint.resume_from={ckpt}")))
+    return out
+
+
 def _consolidated(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The fp32 weights DeepSpeed saved in a checkpoint, gathered from every shard."""
     state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
@@ -149,6 +171,61 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tiny_run: Path, resumed_ru
     tau = [r["eval/tau"] for r in read_metrics(tiny_run) if r["step"] == STEPS and "eval/tau" in r]
     tau_resumed = [r["eval/tau"] for r in read_metrics(resumed_run) if "eval/tau" in r]
     assert tau_resumed == tau
+
+
+# ---------------------------------------------------------------------------- DSpark
+def test_dspark_trains_with_its_objective_and_the_loss_falls(dspark_run: Path) -> None:
+    losses = train_losses(dspark_run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    first, last = list(losses.values())[:5], list(losses.values())[-5:]
+    assert sum(last) / 5 < sum(first) / 5 - 0.3, losses
+    rows = [r for r in read_metrics(dspark_run) if "loss" in r]
+    for key in ("backbone_ce", "backbone_l1", "confidence_bce", "top1_acc", "acceptance"):
+        assert all(key in r for r in rows), key
+    assert not any("refine_ce" in r or "alignment" in r for r in rows)  # DSpine's terms
+    # 0.1 CE + 0.9 L1 + 1.0 BCE (DeepSpec's weights), over the same weights
+    for r in rows:
+        mix = 0.1 * r["backbone_ce"] + 0.9 * r["backbone_l1"] + r["confidence_bce"]
+        assert r["loss"] == pytest.approx(mix, rel=1e-5)
+
+
+def test_dspark_evaluation_counts_all_of_its_block_drafts(dspark_run: Path) -> None:
+    evals = [r for r in read_metrics(dspark_run) if "eval/tau" in r]
+    assert [r["step"] for r in evals] == [HALF, STEPS]
+    for r in evals:  # B drafts a block (slot j predicts a+j+1): tau up to B + 1
+        assert 1.0 <= r["eval/tau"] <= BLOCK + 1
+        assert f"eval/accept_pos{BLOCK}" in r and f"eval/accept_pos{BLOCK + 1}" not in r
+    final = BlockResults.load(dspark_run / "eval_blocks" / f"step{STEPS:07d}.npz")
+    assert final.num_drafts == BLOCK and final.tau == pytest.approx(evals[-1]["eval/tau"])
+    assert final.position_rates() == [evals[-1][f"eval/accept_pos{k}"]
+                                      for k in range(1, BLOCK + 1)]
+
+
+def test_dspark_resume_repeats_the_uninterrupted_run_exactly(dspark_run: Path,
+                                                              dspark_resumed: Path) -> None:
+    full, resumed = train_losses(dspark_run), train_losses(dspark_resumed)
+    assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
+    assert [resumed[s] for s in sorted(resumed)] == [full[s] for s in sorted(resumed)]
+    tau = [r["eval/tau"] for r in read_metrics(dspark_run)
+           if r["step"] == STEPS and "eval/tau" in r]
+    assert [r["eval/tau"] for r in read_metrics(dspark_resumed) if "eval/tau" in r] == tau
+    _assert_export_matches(dspark_resumed / "final",
+                           dspark_run / "checkpoints" / checkpoint_name(STEPS))
+
+
+def test_dspark_export_reloads_bit_identically(dspark_run: Path) -> None:
+    export = dspark_run / "final"
+    _assert_export_matches(export, dspark_run / "checkpoints" / checkpoint_name(STEPS))
+    draft = DSpineDraftModel.from_pretrained(export)
+    assert draft.config.method == "dspark" and draft.config.anchor_predicts
+    with safe_open(str(export / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+            "confidence_head.proj.weight", "confidence_head.proj.bias"} <= keys
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "dspine" and config["method"] == "dspark"
+    assert config["block_size"] == BLOCK and config["markov_rank"] == 256
 
 
 # ---------------------------------------------------------------------------- two processes

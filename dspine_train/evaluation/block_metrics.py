@@ -10,7 +10,8 @@ greedy token == the data token, inside the supervised response (`accepted_prefix
 all-reduce; `AcceptanceStats` is the result.
 
 The every-block evaluation (`held_out.simulated_block_accepts`) yields one number per block: the
-drafts the target accepts there (0..B-1; tau of the block = 1 + that), kept as `BlockResults`.
+drafts the target accepts there (0..B-1, or 0..B for a DSpark block of B drafts; tau of the
+block = 1 + that), kept as `BlockResults`.
 Blocks of one dataset row are not independent (a row the draft finds easy is easy at every
 anchor), so besides the plain standard error of the mean over blocks this reports a per-row
 clustered one, and two drafts evaluated on the very same blocks are compared *paired*: the mean
@@ -43,9 +44,10 @@ def accepted_prefix(
     data_tokens: torch.Tensor,
     supervised: torch.Tensor,
 ) -> torch.Tensor:
-    """Per-slot "accepted so far" flags (..., Bk-1) as float 0/1.
+    """Per-slot "accepted so far" flags (..., P) as float 0/1, P the drafts of a block (Bk-1;
+    DSpark: Bk).
 
-    All inputs (..., Bk-1): draft tokens, the target's greedy tokens, the data tokens and
+    All inputs (..., P): draft tokens, the target's greedy tokens, the data tokens and
     whether the slot is inside the sequence's supervised response.
     """
     ok = (draft_tokens == target_tokens) & (data_tokens == target_tokens) & supervised
@@ -57,7 +59,8 @@ class AcceptanceStats:
     """Accumulated acceptance over blocks.
 
     blocks: number of evaluated blocks; accepted: sum of accepted slots over blocks;
-    per_position: (Bk-1,) blocks whose first k slots were all accepted, k = 1..Bk-1.
+    per_position: (P,) blocks whose first k slots were all accepted, k = 1..P (P = Bk-1, or
+    Bk for DSpark).
     """
 
     blocks: float = 0.0
@@ -70,7 +73,7 @@ class AcceptanceStats:
         return 1.0 + self.accepted / max(self.blocks, 1.0)
 
     def position_rates(self) -> list[float]:
-        """Share of blocks whose first k drafted tokens were all accepted, k = 1..Bk-1."""
+        """Share of blocks whose first k drafted tokens were all accepted, k = 1..P."""
         return [p / max(self.blocks, 1.0) for p in self.per_position]
 
     def as_metrics(self, prefix: str = "eval/") -> dict[str, float]:
@@ -127,15 +130,19 @@ class BlockResults:
     """The simulated evaluation of a fixed set of held-out blocks, one entry per block.
 
     rows: dataset row of each block (the cluster); anchors: its anchor position; accepted:
-    drafts accepted there (0..block_size-1); block_size: the draft's block size.
+    drafts accepted there (0..num_drafts); block_size: the draft's block size; num_drafts: the
+    drafts of a block (None: block_size - 1; a DSpark block drafts block_size).
     """
 
     rows: np.ndarray
     anchors: np.ndarray
     accepted: np.ndarray
     block_size: int
+    num_drafts: int | None = None
 
     def __post_init__(self) -> None:
+        if self.num_drafts is None:
+            self.num_drafts = self.block_size - 1
         self.rows = np.asarray(self.rows, dtype=np.int64)
         self.anchors = np.asarray(self.anchors, dtype=np.int64)
         self.accepted = np.asarray(self.accepted, dtype=np.int64)
@@ -163,10 +170,10 @@ class BlockResults:
         return clustered_se(self.accepted, self.rows)
 
     def position_rates(self) -> list[float]:
-        """Share of blocks whose first k drafts were all accepted, k = 1..block_size-1."""
+        """Share of blocks whose first k drafts were all accepted, k = 1..num_drafts."""
         if not self.blocks:
-            return [float("nan")] * (self.block_size - 1)
-        return [float((self.accepted >= k).mean()) for k in range(1, self.block_size)]
+            return [float("nan")] * self.num_drafts
+        return [float((self.accepted >= k).mean()) for k in range(1, self.num_drafts + 1)]
 
     def summary(self) -> dict[str, Any]:
         """The figures a report shows: blocks, rows, tau with both SEs, per-position rates."""
@@ -187,14 +194,18 @@ class BlockResults:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez_compressed(tmp, rows=self.rows, anchors=self.anchors, accepted=self.accepted,
-                            block_size=np.int64(self.block_size))
+                            block_size=np.int64(self.block_size),
+                            num_drafts=np.int64(self.num_drafts))
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> BlockResults:
         """Read records written by `save`."""
         with np.load(path) as data:
-            return cls(data["rows"], data["anchors"], data["accepted"], int(data["block_size"]))
+            # records written before `num_drafts` was saved are of B-1-draft blocks
+            drafts = int(data["num_drafts"]) if "num_drafts" in data else None
+            return cls(data["rows"], data["anchors"], data["accepted"], int(data["block_size"]),
+                       drafts)
 
 
 def paired_difference(a: BlockResults, b: BlockResults) -> dict[str, float]:

@@ -1,11 +1,12 @@
 """Simulated acceptance length on held-out data (METHOD 1 "Inference", 2.4).
 
 For a block anchored at a, the draft proposes d_1..d_{B-1} with the real decode (`draft.walk`,
-transition cache included) from the training forward (no replacement). The target's greedy
-token for position a+k is g_k = argmax p_target(. | x_{<a+k}). Slot k is accepted when every
-slot j <= k has d_j == g_j *and* the data token x_{a+j} == g_j: the prefix is then one the
-target itself would have produced greedily, so the verification is exactly what a greedy
-decode would see. tau = 1 + accepted (the bonus token), in [1, B].
+transition cache included) from the training forward (no replacement); a DSpark draft proposes
+d_1..d_B with its Markov head's left-to-right walk (`draft.dspark_walk`), as it is served. The
+target's greedy token for position a+k is g_k = argmax p_target(. | x_{<a+k}). Slot k is
+accepted when every slot j <= k has d_j == g_j *and* the data token x_{a+j} == g_j: the prefix
+is then one the target itself would have produced greedily, so the verification is exactly what
+a greedy decode would see. tau = 1 + accepted (the bonus token), in [1, B] (DSpark: [1, B+1]).
 
 `simulated_acceptance_counts` is the one evaluation loop: the trainer runs it on its held-out
 split every `eval.every` steps (each process a share), and the ablation runs it again on any

@@ -505,6 +505,13 @@ def _check_dflash_export(model: ModelConfig) -> None:
     overrides = model.draft_overrides()
     if overrides.get("method") == "dflash":
         return
+    if overrides.get("method") == "dspark":
+        raise ConfigError(
+            "export.format: dflash needs model.method: dflash (a DSpark draft's anchor slot "
+            "predicts and its Markov and confidence heads have no place in the DFlash format) "
+            "- use export.format: dspine, then `python -m dspine_train.export` with --format "
+            "speculators or deepspec for vLLM and SGLang"
+        )
     dflash = METHOD_PRESETS["dflash"]
     differ = [f"model.{name}" for name in ("injection", "block_attention", "transition_cache")
               if overrides.get(name) != dflash[name]]

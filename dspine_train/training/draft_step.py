@@ -3,6 +3,12 @@
 Everything that touches draft parameters runs inside this module's `forward`, so ZeRO-3 can
 gather each submodule's partitioned parameters as it is called (the loss applies the final
 norm and the injection writes outside the draft's own forward).
+
+A `method: dspark` draft trains on `dspark_objective.dspark_loss` and is evaluated with its
+served decode, the Markov head's left-to-right walk (`dspark_walk`): B drafts a block, slot j
+predicting token a+j+1. The other methods train on `objective.dspine_loss` and decode with
+`walk` (B-1 drafts, slot k predicting a+k). Both count acceptance with the same rule
+(`block_metrics.accepted_prefix`).
 """
 
 from __future__ import annotations
@@ -10,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..dspark_objective import dspark_loss, dspark_slot_weights
 from ..evaluation.block_metrics import accepted_prefix, block_counts
-from ..modeling import DSpineDraftModel
+from ..modeling import DSpineDraftModel, DSpineTrainOutput
 from ..objective import dspine_loss, slot_weights
 
 
@@ -55,6 +62,11 @@ class DraftStep(nn.Module):
             return self._acceptance_counts(input_ids, context, final_hidden, loss_mask,
                                            anchors, anchor_mask, eval_chunks)
         out = self.draft(input_ids, context, anchors, anchor_mask, replace_mask)
+        if self.draft.config.anchor_predicts:
+            # DSpark's objective reads the target's exact distribution from `final_hidden`
+            # (the trainer asks for no top-k for it).
+            return dspark_loss(self.draft, out, final_hidden, loss_mask, anchors, anchor_mask,
+                               chunk_size=self.logits_chunk_size)
         return dspine_loss(
             self.draft, out, final_hidden, loss_mask, anchors, anchor_mask, step, total_steps,
             chunk_size=self.logits_chunk_size, target_topk=target_topk,
@@ -88,25 +100,28 @@ class DraftStep(nn.Module):
         eval_chunks: int = 0,
     ) -> torch.Tensor:
         """The simulated evaluation of every block: `block_metrics.accepted_prefix` flags
-        (B*A, Bk-1), block (b, i) at row b * A + i (padding blocks included; mask them with
-        `anchor_mask`). The parity check (`evaluation.parity`) reads them per block."""
+        (B*A, P), block (b, i) at row b * A + i (padding blocks included; mask them with
+        `anchor_mask`); P = `num_predictions` (Bk-1, or Bk for DSpark). The parity check
+        (`evaluation.parity`) reads them per block."""
         draft = self.draft
-        bk = draft.config.block_size
+        cfg = draft.config
+        bk, p = cfg.block_size, cfg.num_predictions
         bsz, seq_len = input_ids.shape
         out = draft(input_ids, context, anchors, anchor_mask)
-        supervised = slot_weights(loss_mask, anchors, anchor_mask, bk, draft.config.loss_gamma) > 0
+        weights = dspark_slot_weights if cfg.anchor_predicts else slot_weights
+        supervised = weights(loss_mask, anchors, anchor_mask, bk, cfg.loss_gamma) > 0
         anchor_ids = torch.gather(input_ids, 1, anchors)  # (B, A)
-        # the target state predicting token a+k sits at position a+k-1, k = 1..Bk-1
-        pred_pos = (anchors[..., None] + torch.arange(bk - 1, device=anchors.device))
-        pred_pos = pred_pos.clamp_max(seq_len - 1)  # (B, A, Bk-1); clamped slots are unsupervised
+        # the target state predicting drafted token i (i = 0..P-1: token a+i+1) sits at a+i
+        pred_pos = (anchors[..., None] + torch.arange(p, device=anchors.device))
+        pred_pos = pred_pos.clamp_max(seq_len - 1)  # (B, A, P); clamped slots are unsupervised
         batch_idx = torch.arange(bsz, device=anchors.device)[:, None, None].expand_as(pred_pos)
 
         # Every real or padding block is decoded, in a fixed number of chunks: under ZeRO-3
         # each submodule call gathers parameters collectively, so every process must make the
-        # same calls whatever its batch holds. One chunk's (n, Bk-1, V) logits is the peak.
+        # same calls whatever its batch holds. One chunk's (n, P, V) logits is the peak.
         flat_b = batch_idx[..., 0].reshape(-1)
         flat_a = torch.arange(anchors.shape[1], device=anchors.device).expand(bsz, -1).reshape(-1)
-        chunk = max(1, self.logits_chunk_size // (bk - 1))
+        chunk = max(1, self.logits_chunk_size // p)
         num_chunks = max(-(-flat_b.numel() // chunk), eval_chunks)
         draft_tokens, target_tokens = [], []
         for i in range(num_chunks):
@@ -114,15 +129,26 @@ class DraftStep(nn.Module):
             padding = b.numel() == 0
             if padding:  # a throw-away chunk that keeps the calls in step across processes
                 b, a = flat_b[:1], flat_a[:1]
-            slot_logits = draft.logits(out.hidden[b, a, 1:])  # (n, Bk-1, V)
-            walk = draft.walk(out.pre_injection[b, a], out.recv_features[b, a], slot_logits,
-                              anchor_ids[b, a])
+            tokens = self._decode(out, b, a, anchor_ids[b, a])
             if padding:
                 continue
-            draft_tokens.append(walk.tokens)
-            states = final_hidden[batch_idx[b, a], pred_pos[b, a]]  # (n, Bk-1, H)
+            draft_tokens.append(tokens)
+            states = final_hidden[batch_idx[b, a], pred_pos[b, a]]  # (n, P, H)
             target_tokens.append(draft.target_logits(states).argmax(-1))
         return accepted_prefix(
             torch.cat(draft_tokens), torch.cat(target_tokens),
-            out.labels.reshape(-1, bk - 1), supervised.reshape(-1, bk - 1),
-        )  # (B*A, Bk-1)
+            out.labels.reshape(-1, p), supervised.reshape(-1, p),
+        )  # (B*A, P)
+
+    def _decode(self, out: DSpineTrainOutput, b: torch.Tensor, a: torch.Tensor,
+                anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The greedy drafts (n, P) of blocks (b, a) of a training forward, decoded as they
+        are served: DSpark's Markov walk over all Bk slots' base logits (`dspark_walk`),
+        otherwise `walk` over slots 1..Bk-1 (the transition cache or each slot's argmax)."""
+        draft = self.draft
+        if draft.config.anchor_predicts:
+            base_logits = draft.logits(out.hidden[b, a])  # (n, Bk, V), no Markov term yet
+            return draft.dspark_walk(base_logits, anchor_ids).tokens
+        slot_logits = draft.logits(out.hidden[b, a, 1:])  # (n, Bk-1, V)
+        return draft.walk(out.pre_injection[b, a], out.recv_features[b, a], slot_logits,
+                          anchor_ids).tokens

@@ -45,14 +45,6 @@ def check_inputs(config: TrainConfig) -> RunInputs:
     race to write them: each writes a private copy and the first complete one is kept.
     """
     m, d = config.model, config.data
-    if m.method == "dspark":
-        # The network, its formats and its objective (`dspark_objective`) exist; the trainer's
-        # step and evaluation (the Markov head's left-to-right decode) are not written yet.
-        # Refused here, before any work, rather than at composition, so `plan_only`
-        # still sizes a DSpark recipe.
-        raise TrainingError("model.method: dspark: the DSpark network, its export formats and "
-                            "its objective exist, but the trainer does not run them yet; "
-                            "train model.method: dspine or dflash")
     if m.tiny_random_target:
         write_tiny_target(m.target_path, seed=config.seed)
     if d.synthetic:

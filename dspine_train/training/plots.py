@@ -10,14 +10,15 @@ import matplotlib
 matplotlib.use("Agg")  # headless: training nodes have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-LOSS_TERMS = ("loss", "backbone_ce", "backbone_l1", "refine_ce", "refine_l1", "alignment")
+LOSS_TERMS = ("loss", "backbone_ce", "backbone_l1", "refine_ce", "refine_l1", "alignment",
+              "confidence_bce")
 
 
 def plot_training(
     history: list[dict[str, Any]], position_rates: list[float] | None, path: Path
 ) -> Path:
     """Left: each logged loss term against the step. Right: the share of evaluated blocks whose
-    first k drafted tokens were all accepted (k = 1..B-1), from the last evaluation."""
+    first k drafted tokens were all accepted (k = 1..B-1, DSpark 1..B), from the last evaluation."""
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     train = [row for row in history if "loss" in row]
     for term in LOSS_TERMS:

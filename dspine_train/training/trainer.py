@@ -3,8 +3,9 @@
 One optimizer step = `grad_accum_steps` micro-batches on each of the W processes. Per micro-batch:
 the frozen target yields the context features and its final hidden state, anchors are sampled
 (METHOD 1), a share of blocks gets true predecessor codes (the replacement curriculum, METHOD 2.2),
-all blocks run in one draft forward and `dspine_loss` (METHOD 2.3) is backpropagated through
-DeepSpeed, which also accumulates, clips, steps the optimizer and the warmup + cosine schedule.
+all blocks run in one draft forward and `dspine_loss` (METHOD 2.3; a DSpark draft:
+`dspark_loss`) is backpropagated through DeepSpeed, which also accumulates, clips, steps the
+optimizer and the warmup + cosine schedule.
 
 Everything random in a step is drawn from a generator seeded by (seed, global batch index), and
 the data position is one integer, so a resumed run repeats an uninterrupted one exactly.
@@ -159,8 +160,10 @@ class Trainer:
         # The online target's distillation distribution: its top-k per position (the same form
         # a feature cache stores), unless `data.target_topk: 0` asks for the exact one per slot.
         self.target_head = head
+        # DSpark's objective reads the exact distribution from the final state (as DeepSpec's).
+        self.uses_topk = not inputs.draft_config.anchor_predicts
         self.online_topk = (not self.offline and inputs.draft_config.distill
-                            and cfg.data.target_topk > 0)
+                            and cfg.data.target_topk > 0 and self.uses_topk)
         default_table = self.output_dir / "token_table.safetensors"
         self.token_table_path = Path(m.token_table_path or default_table)
         table = load_or_build_token_table(
@@ -206,7 +209,7 @@ class Trainer:
                 self.eval_plan = evaluation_plan(self.eval_batches.lengths, cfg.eval.batch_size,
                                                  cfg.eval.num_anchors, cfg.eval.max_blocks,
                                                  cfg.seed)
-            chunk = max(1, cfg.logits_chunk_size // (self.draft_config.block_size - 1))
+            chunk = max(1, cfg.logits_chunk_size // self.draft_config.num_predictions)
             self.eval_chunks = math.ceil(per_batch / chunk)
         self.train_cache = self.eval_cache = None
         if self.offline:
@@ -283,6 +286,8 @@ class Trainer:
         if self.online_topk:
             return (f"top-{self.config.data.target_topk} + remainder, projected once per "
                     "position from the online target")
+        if not self.uses_topk:
+            return "exact, projected through the target's head every step (DSpark's objective)"
         k = self.train_cache.target_topk if self.train_cache is not None else 0
         if k and self.config.data.target_topk > 0:
             return f"top-{k} + remainder, cached once per token (data.offline_features_dir)"
@@ -323,7 +328,8 @@ class Trainer:
         cfg, acc, state = self.config, self.accelerator, self.state
         host_batch = self.train_batches.collate(rows)
         batch = host_batch.to(acc.device)
-        feats = self._features(host_batch, self.train_cache, device_batch=batch)
+        feats = self._features(host_batch, self.train_cache, with_topk=self.uses_topk,
+                               device_batch=batch)
         if self.online_topk:  # once per position, not once per (overlapping) block slot
             feats = feats.with_topk(self.target_head, cfg.data.target_topk)
         gen = batch_generator(cfg.seed, index)
@@ -491,7 +497,8 @@ class Trainer:
             accepted = acc.reduce(accepted, "sum").cpu()
             self.engine.train()
             results = BlockResults(self.eval_plan.rows, self.eval_plan.anchors,
-                                   accepted.round().long().numpy(), self.draft_config.block_size)
+                                   accepted.round().long().numpy(), self.draft_config.block_size,
+                                   self.draft_config.num_predictions)
             if self.is_main:
                 results.save(self.output_dir / "eval_blocks" / f"step{self.state.step:07d}.npz")
             return results
