@@ -30,20 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .modeling import DSpineDraftModel, DSpineTrainOutput
-
-
-def dspark_slot_weights(loss_mask: torch.Tensor, anchors: torch.Tensor,
-                        anchor_mask: torch.Tensor, block_size: int,
-                        gamma: float) -> torch.Tensor:
-    """Per-slot weights (B, A, Bk): exp(-j/gamma) while loss_mask[a+1..a+j+1] are all 1."""
-    bsz, seq_len = loss_mask.shape
-    j = torch.arange(block_size, device=anchors.device)
-    pos = anchors[..., None] + j + 1  # (B, A, Bk): the position of each slot's label
-    in_seq = pos < seq_len
-    lm = torch.gather(loss_mask.float(), 1, pos.clamp_max(seq_len - 1).view(bsz, -1))
-    lm = lm.view_as(pos) * in_seq * anchor_mask[..., None]
-    supervised = torch.cumprod(lm, dim=-1)  # cut at the first unsupervised slot
-    return supervised * torch.exp(-j.float() / gamma)
+from .objective import slot_weights
 
 
 def _slot_terms(draft: DSpineDraftModel, hidden: torch.Tensor, prev: torch.Tensor,
@@ -89,7 +76,9 @@ def dspark_loss(
         raise ValueError(f"dspark_loss: a method: {cfg.method} draft (use objective.dspine_loss)")
     bsz, seq_len = loss_mask.shape
     bk = cfg.block_size
-    weights = dspark_slot_weights(loss_mask, anchors, anchor_mask, bk, cfg.loss_gamma)
+    # slot j predicts a+j+1 with weight exp(-j/gamma): DSpine's per-slot weights of a block one
+    # longer (its slots k = 1..Bk predict a+k, weighted exp(-(k-1)/gamma))
+    weights = slot_weights(loss_mask, anchors, anchor_mask, bk + 1, cfg.loss_gamma)
     # Deliberate host sync (as in `objective.supervised_slots`): the supervised slots' indices,
     # read once, so padding costs no vocabulary work.
     rows = torch.nonzero(weights.reshape(-1) > 0).squeeze(1)  # (n,)

@@ -1,13 +1,18 @@
 """Shared builders for the engine tests: tiny random targets, a tokenizer, drafts, and the
-scaffolding of the sampling tests (samples against the target's exact marginals)."""
+scaffolding of the sampling tests (samples against the target's exact marginals), and edited
+copies of exported checkpoints (the import tests' bad files)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
 from dspine_train.training.tiny_assets import TINY_SHAPE
@@ -219,3 +224,15 @@ def sampling_engine(root: Path, prompt: list[int], rows: int, **engine_kwargs):
         **engine_kwargs,
     )
     return engine, exact
+
+
+def edited_export(source: Path, out: Path, edit: Callable[[dict, dict], None]) -> Path:
+    """A copy of the export at `source` in `out` with `edit(fields, tensors)` applied to its
+    config.json fields and model.safetensors tensors."""
+    shutil.copytree(source, out)
+    fields = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    edit(fields, tensors)
+    (out / "config.json").write_text(json.dumps(fields))
+    save_file(tensors, str(out / "model.safetensors"))
+    return out

@@ -9,13 +9,12 @@ reference class: the two exports hold the same network, and either converts to t
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import transformers
-from _engine_helpers import build_tiny_target, hf_features, tiny_draft
-from safetensors.torch import load_file, save_file
+from _engine_helpers import build_tiny_target, edited_export, hf_features, tiny_draft
+from safetensors.torch import load_file
 
 from dspine_train.export import main as export_main
 from dspine_train.formats import FormatError, export_dir, load_draft
@@ -107,14 +106,8 @@ def test_deepspec_and_speculators_exports_hold_the_same_draft(world, tmp_path):
 
 
 def _edited(world, tmp_path, edit):
-    out = tmp_path / "edited"
-    shutil.copytree(world["root"] / "ds", out)
-    fields = json.loads((out / "config.json").read_text())
-    tensors = load_file(out / "model.safetensors")
-    edit(fields, tensors)
-    (out / "config.json").write_text(json.dumps(fields))
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    """A copy of the deepspec export with `edit(fields, tensors)` applied."""
+    return edited_export(world["root"] / "ds", tmp_path / "edited", edit)
 
 
 def test_a_published_checkpoint_with_the_targets_copies_loads(world, tmp_path):

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspine_train.dspark_objective import dspark_loss, dspark_slot_weights
-from dspine_train.objective import sample_anchors
+from dspine_train.dspark_objective import dspark_loss
+from dspine_train.objective import sample_anchors, slot_weights
 from tests._model_helpers import USED_VOCAB, context_features, tiny_draft, tiny_target
 
 
@@ -48,8 +48,10 @@ def _forward(draft, target, ids, loss_mask, seed=0):
 
 def test_slot_weights_start_at_one_on_the_anchor_slot_and_cut_at_a_gap():
     loss_mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 1]])
-    w = dspark_slot_weights(loss_mask, torch.tensor([[1, 6]]), torch.tensor([[True, True]]),
-                            block_size=4, gamma=4.0)
+    # a DSpark block of 4 slots (predicting a+1..a+4) is weighted as `slot_weights` weighs a
+    # block of 5, which the objective calls
+    w = slot_weights(loss_mask, torch.tensor([[1, 6]]), torch.tensor([[True, True]]),
+                     block_size=5, gamma=4.0)
     decay = [math.exp(-j / 4.0) for j in range(4)]
     # anchor 1: slots predict positions 2, 3, 4 (unsupervised), 5 -> cut at slot 2
     torch.testing.assert_close(w[0, 0], torch.tensor([decay[0], decay[1], 0.0, 0.0]))

@@ -11,14 +11,13 @@ Qwen3 target, CPU, fp32, `eager` attention (see `test_speculators_format.py`).
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 import transformers
-from _engine_helpers import build_tiny_target, hf_features, tiny_draft
+from _engine_helpers import build_tiny_target, edited_export, hf_features, tiny_draft
 from hydra.errors import ConfigCompositionException
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from speculators import SpeculatorModel
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
@@ -328,16 +327,9 @@ def test_the_engine_serves_a_dspark_draft_and_its_speculators_import_alike(world
         compose_train_config("recipe=tiny", "model.markov_head_type=cubic")
 
 
-def _edited(world, tmp_path, edit) -> object:
+def _edited(world, tmp_path, edit):
     """A copy of the speculators export with `edit(fields, tensors)` applied."""
-    out = tmp_path / "edited"
-    shutil.copytree(world["root"] / "spec", out)
-    fields = json.loads((out / "config.json").read_text())
-    tensors = load_file(out / "model.safetensors")
-    edit(fields, tensors)
-    (out / "config.json").write_text(json.dumps(fields))
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    return edited_export(world["root"] / "spec", tmp_path / "edited", edit)
 
 
 @pytest.mark.parametrize(("edit", "message"), [

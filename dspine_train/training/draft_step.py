@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..dspark_objective import dspark_loss, dspark_slot_weights
+from ..dspark_objective import dspark_loss
 from ..evaluation.block_metrics import accepted_prefix, block_counts
 from ..modeling import DSpineDraftModel, DSpineTrainOutput
 from ..objective import dspine_loss, slot_weights
@@ -105,11 +105,11 @@ class DraftStep(nn.Module):
         (`evaluation.parity`) reads them per block."""
         draft = self.draft
         cfg = draft.config
-        bk, p = cfg.block_size, cfg.num_predictions
+        p = cfg.num_predictions
         bsz, seq_len = input_ids.shape
         out = draft(input_ids, context, anchors, anchor_mask)
-        weights = dspark_slot_weights if cfg.anchor_predicts else slot_weights
-        supervised = weights(loss_mask, anchors, anchor_mask, bk, cfg.loss_gamma) > 0
+        # P drafts predict a+1..a+P: the per-slot weights of a block of P + 1 (= Bk but for DSpark)
+        supervised = slot_weights(loss_mask, anchors, anchor_mask, p + 1, cfg.loss_gamma) > 0
         anchor_ids = torch.gather(input_ids, 1, anchors)  # (B, A)
         # the target state predicting drafted token i (i = 0..P-1: token a+i+1) sits at a+i
         pred_pos = (anchors[..., None] + torch.arange(p, device=anchors.device))
