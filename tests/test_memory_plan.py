@@ -19,6 +19,7 @@ from dspine_train.training.memory_plan.estimate import estimate_memory
 from dspine_train.training.memory_plan.parameters import (
     dense_decoder_parameters,
     draft_parameter_counts,
+    method_fields_of,
     target_parameter_count,
 )
 from dspine_train.training.memory_plan.plan import GIB
@@ -62,7 +63,9 @@ def _real_draft(num_layers: int = N, **overrides) -> DSpineDraftModel:
 
 @pytest.mark.parametrize(
     ("num_layers", "overrides"),
-    [(N, {}), (3, {}), (N, {"target_layer_ids": [0, 1, 3]}), (N, {"attention_bias": True})],
+    [(N, {}), (3, {}), (N, {"target_layer_ids": [0, 1, 3]}), (N, {"attention_bias": True}),
+     (N, {"method": "dspark"}), (N, {"method": "dspark", "markov_rank": 8}),
+     (N, {"method": "dflash"})],
 )
 def test_draft_parameter_count_is_the_real_draft_models(num_layers, overrides):
     draft = _real_draft(num_layers, **overrides)
@@ -70,10 +73,27 @@ def test_draft_parameter_count_is_the_real_draft_models(num_layers, overrides):
         tiny_config(), draft_num_layers=num_layers, transfer_dim=R, message_size=M,
         num_context_layers=draft.config.num_context_layers,
         attention_bias=draft.config.attention_bias,
+        method_fields=method_fields_of(draft.config),
     )
     assert sum(counts.values()) == sum(p.numel() for p in draft.parameters())
     assert counts["layers"] == sum(p.numel() for p in draft.layers.parameters())
     assert counts["injection"] == sum(p.numel() for p in draft.injection.parameters())
+    heads = [draft.markov_head, draft.confidence_head]
+    assert counts.get("method_heads", 0) == sum(
+        p.numel() for head in heads if head is not None for p in head.parameters())
+
+
+def test_dspark_plan_counts_its_heads_and_every_block_slot():
+    """A DSpark draft's Markov and confidence heads are parameters the plan holds (with their
+    gradients and optimizer states), and its loss keeps B supervised slots a block, not B-1."""
+    dspark = {"method": "dspark", "markov_rank": 256, "markov_head_type": "vanilla",
+              "enable_confidence_head": True, "confidence_head_with_markov": True}
+    base, with_heads = plan(), plan(method_fields=dspark)
+    vocab, hidden = tiny_config().vocab_size, tiny_config().hidden_size
+    heads = 2 * vocab * 256 + (hidden + 256 + 1)  # W1, W2; Linear(H + r, 1)
+    assert with_heads.draft_parameters - base.draft_parameters == heads
+    slots = with_heads.item("loss activations (supervised slots)").bytes
+    assert slots * 3 == base.item("loss activations (supervised slots)").bytes * 4  # B=4: 4 vs 3
 
 
 def test_plan_counts_the_recipes_draft_as_built(tmp_path):
@@ -83,11 +103,15 @@ def test_plan_counts_the_recipes_draft_as_built(tmp_path):
         plan_draft_config,
         plan_target_config,
     )
-    config = compose_train_config("recipe=tiny", f"output_dir={tmp_path}/out")
-    draft_config = plan_draft_config(config, plan_target_config(config))
-    with torch.device("meta"):
-        draft = DSpineDraftModel(draft_config)
-    assert memory_plan_for(config).draft_parameters == sum(p.numel() for p in draft.parameters())
+    for method in ("dspine", "dspark"):
+        config = compose_train_config("recipe=tiny", f"output_dir={tmp_path}/out",
+                                      f"model.method={method}")
+        draft_config = plan_draft_config(config, plan_target_config(config))
+        assert draft_config.method == method
+        with torch.device("meta"):
+            draft = DSpineDraftModel(draft_config)
+        assert (memory_plan_for(config).draft_parameters
+                == sum(p.numel() for p in draft.parameters()))
 
 
 @pytest.mark.parametrize("tied", [False, True])

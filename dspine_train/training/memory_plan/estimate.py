@@ -7,10 +7,12 @@ the package docstring (`training.memory_plan`), which also states the assumption
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from transformers import PretrainedConfig
 
+from ...modeling.method_presets import ANCHOR_PREDICTING_METHODS
 from .activations import attention_items, draft_activation_elements
 from .parameters import (
     attention_dims,
@@ -53,8 +55,9 @@ def estimate_memory(
     target_parameters: int | None = None,
     attention_path: str = "flex",
     attention_bias: bool = False,
+    method_fields: Mapping[str, Any] | None = None,
 ) -> MemoryPlan:
-    """Per-GPU memory of DSpine training; the items and their formulas (package docstring notation):
+    """Per-GPU memory of draft training; the items and their formulas (package docstring notation):
 
         frozen target weights      online: P_target * p; offline: (1 or 2) * V*H * p
                                    (embedding and lm_head only, once when tied). Replicated.
@@ -80,10 +83,11 @@ def estimate_memory(
         attention (2 items)        `attention_items` for `attention_path`: the mask (flex
                                    tile indices, or dense boolean + additive masks) and the
                                    fp32 logsumexp, N layers (one when checkpointed)
-        loss activations           b*A*(B-1) * supervised * p: what the objective keeps per
+        loss activations           b*A*D * supervised * p: what the objective keeps per
                                    supervised slot outside its chunks (selected rows, the
                                    refinement's write, norm and K gathered head rows, the
-                                   alignment's fp32 features)
+                                   alignment's fp32 features); D = B-1 drafted slots per
+                                   block, B where the anchor slot predicts too (DSpark)
         loss chunk                 c * 4 * V * 4: 4 fp32 full-vocabulary tensors
                                    (LOGIT_BUFFERS_PER_CHUNK), transient (checkpointed)
 
@@ -112,6 +116,9 @@ def estimate_memory(
         attention_path: the draft attention the run uses: "flex" (compiled flex attention, the
             CUDA default) or "dense" (SDPA with a boolean mask, the CPU path).
         attention_bias: the draft's `attention_bias` (biases on its q/k/v/o projections).
+        method_fields: the draft's `method` and the fields it leaves open
+            (`parameters.method_fields_of`): its own heads are counted among the draft's
+            parameters; None plans a DSpine draft.
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage!r}")
@@ -156,6 +163,7 @@ def estimate_memory(
         message_size=message_size,
         num_context_layers=n,
         attention_bias=attention_bias,
+        method_fields=method_fields,
     )
     draft_params = sum(counts.values())
     if target_parameters is None:
@@ -235,6 +243,9 @@ def estimate_memory(
         message_size=message_size, candidate_k=candidate_k, param_dtype_bytes=p,
     )
     drafted = micro_batch_size * num_anchors * (block_size - 1)  # b*A*(B-1), slots 1..B-1
+    anchor_predicts = (method_fields or {}).get("method") in ANCHOR_PREDICTING_METHODS
+    predicted = micro_batch_size * num_anchors * block_size if anchor_predicts else drafted
+    per_block = "B" if anchor_predicts else "(B-1)"
     layer_h, inject_h = act.layer / hidden, act.injection / hidden
     ctx_h, ctx_kv = act.context / hidden, act.context_layer / kv_dim
     if activation_checkpointing:
@@ -270,8 +281,8 @@ def estimate_memory(
     items += [
         MemoryItem(
             "loss activations (supervised slots)",
-            drafted * act.supervised * p,
-            f"b*A*(B-1) * {act.supervised / hidden:.2f} H * {p} B (K = {candidate_k} head rows "
+            predicted * act.supervised * p,
+            f"b*A*{per_block} * {act.supervised / hidden:.2f} H * {p} B (K = {candidate_k} head rows "
             "per slot for the refinement term among them)",
         ),
         MemoryItem(

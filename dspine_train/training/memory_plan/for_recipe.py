@@ -22,6 +22,7 @@ from ..initialisation import from_dflash
 from ..target import load_target_config, used_vocab_size
 from ..tiny_assets import tiny_target_config
 from .estimate import estimate_memory
+from .parameters import method_fields_of
 from .plan import MemoryPlan
 
 
@@ -89,6 +90,7 @@ def memory_plan_for(config: TrainConfig) -> MemoryPlan:
         gpu_memory_gib=config.gpu_memory_gib,
         num_context_layers=draft.num_context_layers,
         attention_bias=draft.attention_bias,
+        method_fields=method_fields_of(draft),
         # the path the draft's forward takes on that device
         attention_path="flex" if default_use_flex(torch.device(config.plan_device)) else "dense",
     )

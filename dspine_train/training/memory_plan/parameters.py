@@ -9,11 +9,14 @@ is the real `DSpineDraftModel` of the planned fields, the target whatever
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ...modeling import DSpineConfig, DSpineDraftModel
+from ...modeling.method_presets import METHOD_FREE_FIELDS
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -37,9 +40,13 @@ def draft_parameter_counts(
     message_size: int,
     num_context_layers: int | None = None,
     attention_bias: bool = False,
+    method_fields: Mapping[str, Any] | None = None,
 ) -> dict[str, int]:
-    """Trainable parameters of a DSpine draft for `target_config`, by component: `fc`,
-    `hidden_norm`, `layers`, `final_norm` and `injection`.
+    """Trainable parameters of a draft for `target_config`, by component: `fc`,
+    `hidden_norm`, `layers`, `final_norm`, `injection` and, where its method has them,
+    `method_heads` (every other module: DSpark's Markov and confidence heads, for example).
+    `method_fields`: the draft's `method` and the fields it leaves open
+    (`method_fields_of`); None plans a DSpine draft.
 
     The draft is built on the `meta` device (no memory), as the target is in
     `target_parameter_count`, so the count is the real `DSpineDraftModel`'s whatever its
@@ -62,15 +69,24 @@ def draft_parameter_counts(
         candidate_k=1,
         mask_token_id=0,
         attention_bias=attention_bias,
+        **dict(method_fields or {}),
     )
     with torch.device("meta"):
         draft = DSpineDraftModel(config)
     modules = {"fc": draft.fc, "hidden_norm": draft.hidden_norm, "layers": draft.layers,
                "final_norm": draft.norm, "injection": draft.injection}
     counts = {name: sum(p.numel() for p in module.parameters()) for name, module in modules.items()}
-    if sum(counts.values()) != sum(p.numel() for p in draft.parameters()):
-        raise RuntimeError("memory plan: a DSpineDraftModel module is missing from its components")
+    heads = sum(p.numel() for p in draft.parameters()) - sum(counts.values())
+    if heads:
+        counts["method_heads"] = heads
     return counts
+
+
+def method_fields_of(config: DSpineConfig) -> dict[str, Any]:
+    """The fields that size a draft's method-specific modules: its `method` and the fields
+    that method leaves open (DSpark's Markov rank and heads, for example)."""
+    return {"method": config.method,
+            **{name: getattr(config, name) for name in METHOD_FREE_FIELDS[config.method]}}
 
 
 def draft_layer_parameters(cfg: PretrainedConfig, attention_bias: bool = False) -> int:
