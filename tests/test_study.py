@@ -31,7 +31,7 @@ from scripts.tools.ablation.study_report import (
     target_title,
     write_study_report,
 )
-from scripts.tools.ablation.variants import ABLATION, STUDY, VARIANTS, Variant
+from scripts.tools.ablation.variants import ABLATION, METHODS, STUDY, VARIANTS, Variant
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,25 @@ def test_each_variant_composes_to_a_draft_that_differs_where_it_says(tmp_path: P
         config = compose_train_config(*settings.train_arguments(VARIANTS[name]))
         assert config.output_dir != base_config.output_dir, name  # a folder of its own
         assert dataclasses.replace(config, output_dir=base_config.output_dir) != base_config, name
+
+
+def test_the_method_rows_train_their_method_on_dspines_data_budget_and_backbone(
+    tmp_path: Path,
+) -> None:
+    """A method row is that method's draft on everything else `dspine` trains with, and runs
+    only when named (the study's planned rows do not grow by a method)."""
+    assert METHODS and not set(METHODS) & set(STUDY.default())
+    settings = tiny_settings(tmp_path)
+    base_config = compose_train_config(*settings.train_arguments(VARIANTS["dspine"]))
+    base = plan_draft_config(base_config)
+    for name in METHODS:
+        config = compose_train_config(*settings.train_arguments(VARIANTS[name]))
+        draft = plan_draft_config(config)
+        assert draft.method == name
+        assert (config.data, config.optim) == (base_config.data, base_config.optim), name
+        assert (draft.block_size, draft.num_layers, draft.target_layer_ids) == (
+            base.block_size, base.num_layers, base.target_layer_ids), name
+        assert [v.name for v in STUDY.select([name])] == [name]
 
 
 def test_each_variant_has_one_name_and_both_studies_pick_from_the_registry() -> None:

@@ -103,8 +103,14 @@ VARIANTS: dict[str, Variant] = {
         Variant("dspine_warm_start", "DSpine with its 2 layers warm-started from target "
                 f"layers {WARM_START_LAYERS}",
                 (f"model.warm_start_layers=[{','.join(map(str, WARM_START_LAYERS))}]",)),
+        # The other methods, on the recipe's backbone, block size, data, steps and seed: each
+        # is its `method` preset (modeling/method_presets.py), nothing else changed.
+        Variant("dspark", "DSpark (DeepSpec): the anchor slot predicts too, Markov and "
+                "confidence heads", ("model.method=dspark",)),
     )
 }
+# The methods DSpine is compared with (the training study's method rows, run when named).
+METHODS = ("dspark",)
 
 # The reference of every paired difference.
 REFERENCE = "dspine"
@@ -146,9 +152,9 @@ class Study:
 ABLATION = Study(("dflash", "dspine", "dspine_no_alignment", "dspine_token_ce",
                   "dspine_no_tcache"))
 # The training study (`scripts/study.py`, docs/STUDY.md): `dspine` first, the reference.
-STUDY = Study(("dspine", "dspine_specforge", "dflash", "dspine_no_alignment",
+STUDY = Study(("dspine", "dspine_specforge", "dflash", *METHODS, "dspine_no_alignment",
                "dspine_no_replacement", "dspine_pruned_vocab", "dspine_fp32",
-               "dspine_warm_start"), optional=("dspine_fp32", "dspine_warm_start"))
+               "dspine_warm_start"), optional=("dspine_fp32", "dspine_warm_start", *METHODS))
 
 
 def variant_named(name: str | None) -> Variant:
