@@ -58,7 +58,8 @@ def test_compare_runs_every_mode_on_every_benchmark(files):
     out = files / "compare.json"
     done = subprocess.run(bench_command(files, out), capture_output=True, text=True, env=ENV)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "| benchmark | mode | T | tau | tok/s | x plain | x HF plain | lossless |" in done.stdout
+    assert ("| benchmark | mode | T | tau | SE | tok/s | x plain | x HF plain | lossless |"
+            in done.stdout)
     report = json.loads(out.read_text())
     assert report["skipped_modes"] == {}
     ran = list(MODE_NAMES)
@@ -82,6 +83,37 @@ def test_compare_runs_every_mode_on_every_benchmark(files):
     assert sorted((r["bench"], r["mode"]) for r in sampled) == sorted(
         (b, m) for b in ("prompts", "heldout") for m in ran if not m.endswith("plain"))
     assert all(r["lossless"] is None and r["tau"] >= 1.0 for r in sampled)
+    assert all(r["tau_se"] is not None for r in report["rows"] if r["bench"] == "prompts")
+    assert all(r["tau_se"] is None for r in report["rows"] if r["bench"] == "heldout")  # 1 prompt
+
+
+def test_sampling_rounds_draw_anew_and_tau_carries_a_prompt_clustered_se(tmp_path):
+    """Each (sampling round, prompt) gets its own seed; tau is the ratio of the sums and its
+    SE the delta-method one over the prompts' sums (rounds of a prompt pooled)."""
+    from scripts.tools.bench import side_by_side
+    from scripts.tools.bench.prompt_log import PromptLog
+
+    seeds = []
+    per_seed = {0: (4, 2), 1: (6, 3), 2: (3, 3), 3: (9, 3)}  # seed -> (verified, forwards)
+
+    def run(ids, temperature, seed):
+        seeds.append(seed)
+        verified, forwards = per_seed.get(seed, (1, 1))
+        return Decoded([7] * verified, forwards, verified, 0.1)
+
+    modes = [Mode("n-gram", "engine", run)]
+    log = PromptLog(tmp_path / "log.jsonl", {})
+    benches = [("b", [[1, 2], [3, 4]], {})]
+    ran, totals = side_by_side.run_pass(modes, benches, 1.0, 2, 0, {}, log)
+    assert seeds[1:] == [0, 1, 2, 3]  # after the warm-up: round 0's prompts, then round 1's
+    t = totals[("b", "n-gram")]
+    assert t.per_prompt == {0: [4 + 3, 2 + 3], 1: [6 + 9, 3 + 3]}
+    tau = (7 + 15) / (5 + 6)
+    spread = (7 - tau * 5) ** 2 + (15 - tau * 6) ** 2
+    assert t.tau_se() == pytest.approx((2 * spread) ** 0.5 / 11)
+    row = make_rows(totals, ran, benches, 1.0, 2)[0]
+    assert row.tau == pytest.approx(tau) and row.tau_se == pytest.approx(t.tau_se())
+    assert row.rounds == 2
 
 
 def test_compare_rejects_an_unknown_mode_before_loading(files):
@@ -95,6 +127,7 @@ def test_compare_rejects_an_unknown_mode_before_loading(files):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--sampling-rounds", "0"], "--sampling-rounds must be >= 1, got 0"),
     (["--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens must be >= 1"),
     (["--compare-tree-paths", "1", "--compare-tree-nodes", "9"], "needs --compare-tree-paths > 1"),
     (["--compare-temperature", "nan"], "--compare-temperature must be a finite number >= 0"),

@@ -26,7 +26,11 @@ Each prompt's results (every mode of it) are appended to a JSON-lines log as soo
 prompt is done (`--compare-log`, `prompt_log`), and a progress line is printed; the same command
 resumes an interrupted run from the log and builds the report from it.
 
-A sampling pass follows (`--compare-temperature`, one round, plain modes left out): tau only.
+A sampling pass follows (`--compare-temperature`, plain modes left out): tau only, over
+`--sampling-rounds` rounds, each with its own seeds (a sampled answer takes one of many
+trajectories, and how much a proposer can copy depends on which: one draw per prompt is a noisy
+estimate of a mode's tau, so every row also carries the standard error of its tau, clustered by
+prompt).
 Sampled outputs depend on each mode's random draws, so they are neither compared token by
 token nor timed against a plain run.
 """
@@ -86,6 +90,7 @@ class CompareRow:
     tau: float
     seconds: float
     tokens_per_s: float
+    tau_se: float | None = None  # standard error of tau, clustered by prompt (>= 2 prompts)
     speedup: float | None = None  # over plain decoding of the same family (greedy only)
     speedup_vs_hf_plain: float | None = None  # over transformers' plain decoding (greedy only)
     lossless: bool | None = None  # equals the family's plain decoding (greedy only)
@@ -102,14 +107,31 @@ class Totals:
     verified_tokens: int = 0
     seconds: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)  # the first round's, per prompt
+    # prompt index -> [verified tokens, verifications] summed over the rounds
+    per_prompt: dict[int, list[int]] = field(default_factory=dict)
 
-    def add(self, decoded: Decoded, first_round: bool) -> None:
+    def add(self, decoded: Decoded, first_round: bool, prompt: int = 0) -> None:
         self.new_tokens += len(decoded.tokens)
         self.verifications += decoded.verifications
         self.verified_tokens += decoded.verified_tokens
         self.seconds += decoded.seconds
+        sums = self.per_prompt.setdefault(prompt, [0, 0])
+        sums[0] += decoded.verified_tokens
+        sums[1] += decoded.verifications
         if first_round:
             self.outputs.append(decoded.tokens)
+
+    def tau_se(self) -> float | None:
+        """The standard error of tau (a ratio of sums) clustered by prompt, by the delta
+        method: sqrt(n / (n - 1) * sum_i (v_i - tau f_i)^2) / sum_i f_i over the prompts' sums
+        of verified tokens v_i and verifications f_i. None under two prompts."""
+        sums = list(self.per_prompt.values())
+        forwards = sum(f for _, f in sums)
+        if len(sums) < 2 or not forwards:
+            return None
+        tau = sum(v for v, _ in sums) / forwards
+        spread = sum((v - tau * f) ** 2 for v, f in sums)
+        return math.sqrt(len(sums) / (len(sums) - 1) * spread) / forwards
 
 
 def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
@@ -147,6 +169,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                        help="their node budget (default: paths x g)")
     group.add_argument("--compare-temperature", type=float, default=1.0,
                        help="temperature of the sampling pass (tau only); 0 skips it")
+    group.add_argument("--sampling-rounds", type=int, default=1,
+                       help="rounds of the sampling pass, each drawing anew (its tau's standard "
+                       "error shrinks with them)")
     group.add_argument("--compare-modes", default=None,
                        help="comma-separated mode names to run (default: every one available): "
                        + ", ".join(MODE_NAMES) + "; the n-gram rows take the --ngram-* values "
@@ -167,8 +192,8 @@ def log_path(args: argparse.Namespace) -> Path:
 
 def compare_argument_problem(args: argparse.Namespace) -> str | None:
     """The first unusable `--compare` value, as a message naming the flag, or None."""
-    for flag in ("bench_prompts", "rounds", "prompt_lookup_tokens", "compare_tree_paths",
-                 "max_new_tokens"):
+    for flag in ("bench_prompts", "rounds", "sampling_rounds", "prompt_lookup_tokens",
+                 "compare_tree_paths", "max_new_tokens"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
     for flag in ("prompt_lookup_max_ngram", "compare_tree_nodes"):
@@ -379,7 +404,9 @@ def run_pass(modes: list[Mode], benches: list[tuple[str, list[list[int]], dict]]
         results = log.get(key)
         if results is None:
             ids = ids_of[bench][index]
-            results = {m.name: m.run(ids, temperature, seed + index) for m in ready}
+            # round r's seeds follow round r - 1's: every (round, prompt) draws anew
+            draw = seed + r * len(ids_of[bench]) + index
+            results = {m.name: m.run(ids, temperature, draw) for m in ready}
             log.append(key, results)
             decoded += 1
             spent = time.perf_counter() - started
@@ -387,7 +414,7 @@ def run_pass(modes: list[Mode], benches: list[tuple[str, list[list[int]], dict]]
                   f"{len(ids_of[bench])}: {sum(d.seconds for d in results.values()):.1f} s "
                   f"({decoded}/{len(todo)} to decode, {spent / 60:.1f} min so far)", flush=True)
         for mode in ready:
-            totals[(bench, mode.name)].add(results[mode.name], r == 0)
+            totals[(bench, mode.name)].add(results[mode.name], r == 0, index)
     if len(todo) < len(keys):
         print(f"T={temperature:g}: {len(keys) - len(todo)} of {len(keys)} prompt passes read "
               f"from {log.path}", flush=True)
@@ -427,7 +454,8 @@ def make_rows(totals: dict[tuple[str, str], Totals], modes: list[Mode],
                 num_prompts=len(prompts), rounds=rounds, new_tokens=t.new_tokens,
                 verifications=t.verifications, verified_tokens=t.verified_tokens,
                 tau=t.verified_tokens / t.verifications if t.verifications else 0.0,
-                seconds=t.seconds, tokens_per_s=t.new_tokens / t.seconds if t.seconds else 0.0)
+                seconds=t.seconds, tokens_per_s=t.new_tokens / t.seconds if t.seconds else 0.0,
+                tau_se=t.tau_se())
             plain = totals.get((bench, plain_of.get(mode.family, "")))
             if greedy and plain is not None:
                 row.speedup = _ratio(row.tokens_per_s, plain.new_tokens, plain.seconds)
@@ -455,11 +483,12 @@ def compare_table(rows: list[CompareRow]) -> str:
     for r in rows:
         greedy = r.temperature == 0
         lossless = "-" if r.lossless is None else ("yes" if r.lossless else "**no**")
-        cells.append([r.bench, r.mode, f"{r.temperature:g}", f"{r.tau:.2f}",
+        cells.append([r.bench, r.mode, f"{r.temperature:g}", f"{r.tau:.2f}", num(r.tau_se),
                       num(r.tokens_per_s if greedy else None, ".1f"), num(r.speedup),
                       num(r.speedup_vs_hf_plain), lossless])
-    header = ["benchmark", "mode", "T", "tau", "tok/s", "x plain", "x HF plain", "lossless"]
-    return "\n".join(markdown_table(header, cells, align="llrrrrrl"))
+    header = ["benchmark", "mode", "T", "tau", "SE", "tok/s", "x plain", "x HF plain",
+              "lossless"]
+    return "\n".join(markdown_table(header, cells, align="llrrrrrrl"))
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -481,9 +510,9 @@ def run_compare(args: argparse.Namespace) -> int:
     rows = make_rows(totals, ran, benches, 0.0, args.rounds)
     if args.compare_temperature > 0:
         sampled = [m for m in setup.modes if not m.plain]
-        ran, totals = run_pass(sampled, benches, args.compare_temperature, 1, args.seed,
-                               setup.skipped, log)
-        rows += make_rows(totals, ran, benches, args.compare_temperature, 1)
+        ran, totals = run_pass(sampled, benches, args.compare_temperature,
+                               args.sampling_rounds, args.seed, setup.skipped, log)
+        rows += make_rows(totals, ran, benches, args.compare_temperature, args.sampling_rounds)
     table = compare_table(rows)
     print("\n" + table + "\n")
     report = {
