@@ -40,3 +40,14 @@ def test_the_domino_preset_holds_the_recipes_values_at_any_recipes_depth(
     for name in ("num_layers", "target_layer_ids"):
         assert getattr(draft, name) == getattr(ours, name), name
     assert config.data == ours_config.data and config.optim == ours_config.optim
+
+
+def test_the_memory_plan_counts_domino_heads_and_its_block_of_b_predictions() -> None:
+    from dspine_train.training.memory_plan.for_recipe import memory_plan_for
+
+    domino = memory_plan_for(compose_train_config("recipe=qwen3_8b_domino"))
+    dflash = memory_plan_for(compose_train_config("recipe=qwen3_8b_domino",
+                                                  "model.method=dflash",
+                                                  "model.domino_prefix_len=null",
+                                                  "model.domino_shift_label=null"))
+    assert domino.total_bytes > dflash.total_bytes

@@ -145,3 +145,17 @@ def test_formats_that_would_drop_the_heads_refuse_a_domino_draft(world, tmp_path
     for fmt in ("dflash", "speculators", "deepspec"):
         with pytest.raises(FormatError, match="domino"):
             export_dir(world["root"] / "ours", tmp_path / fmt, fmt)
+
+
+def test_model_init_from_continues_a_specforge_domino_checkpoint(world):
+    from dspine_train.training.config import ModelConfig
+    from dspine_train.training.draft_builder import build_draft
+    from dspine_train.training.initialisation.from_export import export_config
+
+    sf = str(world["root"] / "sf")
+    config = export_config(sf)
+    assert config.method == "domino" and config.domino_gru_hidden_dim == 20
+    model_cfg = ModelConfig(target_path="unused", init_from=sf)
+    draft = build_draft(model_cfg, config, None, world["target"].config, seed=0)
+    for name in ("prefix_gru.weight_ih_l0", "embed_proj.2.weight", "fc.weight"):
+        assert draft.state_dict()[name].equal(world["draft"].state_dict()[name]), name

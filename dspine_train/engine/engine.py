@@ -315,7 +315,8 @@ class Engine:
         if not 1 <= g <= top:
             raise GenerationInputError(
                 f"num_draft_tokens={g} must be in 1..{top} (the draft's predictions per block: "
-                "block_size - 1, or block_size for a method: dspark draft)"
+                "block_size - 1, or block_size for a method: dspark draft or a domino draft "
+                "with domino_shift_label)"
             )
         return g
 
