@@ -32,7 +32,8 @@ def _domino(shift: bool, prefix: int, block: int = 5):
 
 
 def _reference_logits(draft, hidden4d, input_ids, anchors, shift, prefix):
-    """SpecForge's Domino logits (B, A, Bk, V) from the normed final states (B, A, Bk, H)."""
+    """SpecForge's Domino logits (B, A, Bk, V) from the normed final states (B, A, Bk, H), with
+    torch's `nn.GRU` holding our GRU's weights."""
     bk = draft.config.block_size
     seq = input_ids.shape[1]
     base = torch.nn.functional.linear(hidden4d, draft._target_head)
@@ -47,11 +48,13 @@ def _reference_logits(draft, hidden4d, input_ids, anchors, shift, prefix):
     emb = draft.embed_tokens(prev)  # (B, A, Bk, H)
     b, a = anchors.shape
     suffix_start = prefix if shift else 1 + prefix
+    gru = torch.nn.GRU(emb.shape[-1], draft.prefix_gru.hidden_size, batch_first=True, bias=False)
+    gru.load_state_dict(draft.prefix_gru.state_dict())  # torch's own GRU, our weights
     if shift:
-        out, _ = draft.prefix_gru(emb.reshape(b * a, bk, -1))
+        out, _ = gru(emb.reshape(b * a, bk, -1))
         states = out.reshape(b, a, bk, -1)[:, :, suffix_start:]
     else:
-        out, _ = draft.prefix_gru(emb[:, :, : bk - 1].reshape(b * a, bk - 1, -1))
+        out, _ = gru(emb[:, :, : bk - 1].reshape(b * a, bk - 1, -1))
         states = out.reshape(b, a, bk - 1, -1)[:, :, suffix_start - 1:]
     z = hidden4d[:, :, suffix_start:]
     delta = draft.embed_proj(torch.cat([z, states], dim=-1))

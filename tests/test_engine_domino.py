@@ -217,3 +217,21 @@ def test_warmup_and_adaptive_rounds(world):
     out, stats = _batched(adaptive, world["prompts"][:4])
     assert out == world["reference"][:4]
     assert set(stats[0].round_shapes) <= {"plain", "chain"}
+
+
+@pytest.mark.slow
+def test_the_compiled_steps_trace_a_domino_block_as_one_graph(world):
+    """The CUDA path's steps (`fullgraph=True`, strict: no eager fallback) trace Domino's draft,
+    the GRU walk included, greedy and sampling (dynamo with the eager backend, on a CPU); the
+    tokens are the eager engine's."""
+    prompts = world["prompts"][:2]
+    settings = dict(max_new_tokens=12, chat=False)
+    eager = _engine(world, "trained", max_batch_size=2)
+    engine = _engine(world, "trained", max_batch_size=2, compile=True, compile_backend="eager",
+                     strict_graphs=True)
+    for temperature in (0.0, 0.8):
+        expected = eager.generate(prompts, temperature=temperature, seed=2, **settings)
+        compiled = engine.generate(prompts, temperature=temperature, seed=2, **settings)
+        assert compiled.token_ids == expected.token_ids
+    for step in (engine._draft_step, engine._draft_sample_step):
+        assert step.compiled and step._compiled_keys  # ran compiled, no fallback

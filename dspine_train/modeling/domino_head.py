@@ -6,7 +6,9 @@ read from its slot's final normed state z_i and corrected by what precedes it in
 
 * `prefix_gru`: GRU(H -> G, one layer, no bias) over the target's embeddings of the tokens
   before token i, x_a, x_{a+1}, ..., x_{a+i-1} (the anchor first); s_i is its state after
-  those i tokens.
+  those i tokens. `PrefixGRU` holds torch's `nn.GRU` parameters under its names and runs its
+  cell itself: torch.compile does not trace `nn.GRU` (the engine's steps are compiled whole),
+  and training and decoding then run the very same cell.
 * `embed_proj`: Linear(H + G, E), SiLU, Linear(E, V), no biases: a logit delta.
 
 logits_i = lm_head(z_i) + embed_proj([z_i ; s_i]) for i > p (p = `domino_prefix_len`, the
@@ -35,12 +37,47 @@ from .exponential_race import race
 from .transition_cache import WalkResult, draw_noise
 
 
-def build_domino_head(config: DSpineConfig) -> tuple[nn.GRU | None, nn.Sequential | None]:
+class PrefixGRU(nn.Module):
+    """A one-layer GRU without biases, torch's equations and parameter names: `weight_ih_l0`
+    (3G, H) and `weight_hh_l0` (3G, G), each the [reset; update; new] gates stacked."""
+
+    def __init__(self, input_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.weight_ih_l0 = nn.Parameter(torch.empty(3 * hidden_size, input_size))
+        self.weight_hh_l0 = nn.Parameter(torch.empty(3 * hidden_size, hidden_size))
+
+    def step(self, gi: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One step from the input's projection gi = W_ih x (..., 3G) and the state h (..., G)."""
+        gh = F.linear(h, self.weight_hh_l0)  # (..., 3G)
+        i_r, i_z, i_n = gi.chunk(3, dim=-1)
+        h_r, h_z, h_n = gh.chunk(3, dim=-1)
+        r = torch.sigmoid(i_r + h_r)
+        z = torch.sigmoid(i_z + h_z)
+        n = torch.tanh(i_n + r * h_n)
+        return (1.0 - z) * n + z * h
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """W_ih x: (..., H) inputs -> (..., 3G), in the weights' dtype."""
+        return F.linear(x.to(self.weight_ih_l0.dtype), self.weight_ih_l0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """States after each step from a zero state: x (N, P, H) -> (N, P, G)."""
+        gi = self.project(x)  # (N, P, 3G): every step's input projection at once
+        h = gi.new_zeros(x.shape[0], self.hidden_size)
+        states = []
+        for t in range(x.shape[1]):
+            h = self.step(gi[:, t], h)
+            states.append(h)
+        return torch.stack(states, dim=1)
+
+
+def build_domino_head(config: DSpineConfig) -> tuple[PrefixGRU | None, nn.Sequential | None]:
     """Domino's GRU and logit-delta MLP for `config` (both None unless `method: domino`)."""
     if config.method != "domino":
         return None, None
     hidden, g = config.hidden_size, config.domino_gru_hidden_dim
-    gru = nn.GRU(input_size=hidden, hidden_size=g, num_layers=1, batch_first=True, bias=False)
+    gru = PrefixGRU(hidden, g)
     proj = nn.Sequential(
         nn.Linear(hidden + g, config.domino_emb_dim, bias=False),
         nn.SiLU(),
@@ -50,7 +87,7 @@ def build_domino_head(config: DSpineConfig) -> tuple[nn.GRU | None, nn.Sequentia
 
 
 @torch.no_grad()
-def init_domino_head(gru: nn.GRU | None) -> None:
+def init_domino_head(gru: PrefixGRU | None) -> None:
     """The GRU starts as torch's `nn.GRU` does, U(-1/sqrt(G), 1/sqrt(G)) (SpecForge leaves it
     so; the MLP's Linears get the draft's normal init). Loaded weights are left alone."""
     if gru is None:
@@ -60,23 +97,12 @@ def init_domino_head(gru: nn.GRU | None) -> None:
         init.uniform_(weight, -bound, bound)
 
 
-def domino_states(gru: nn.GRU, prev_embedded: torch.Tensor) -> torch.Tensor:
+def domino_states(gru: PrefixGRU, prev_embedded: torch.Tensor) -> torch.Tensor:
     """s_i for every drafted token of every block, teacher-forced: prev_embedded (..., P, H) the
     embeddings of the tokens before each drafted token (anchor first) -> (..., P, G)."""
     lead, (p, h) = prev_embedded.shape[:-2], prev_embedded.shape[-2:]
-    flat = prev_embedded.reshape(-1, p, h).to(gru.weight_ih_l0.dtype)  # (N, P, H)
-    states, _ = gru(flat)  # (N, P, G)
+    states = gru(prev_embedded.reshape(-1, p, h))  # (N, P, G)
     return states.reshape(*lead, p, gru.hidden_size)
-
-
-def gru_step(gru: nn.GRU, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """One step of `gru` (torch's GRU cell without biases): x (..., H), h (..., G) -> (..., G)."""
-    gi = F.linear(x.to(h.dtype), gru.weight_ih_l0).chunk(3, dim=-1)  # r, z, n input parts
-    gh = F.linear(h, gru.weight_hh_l0).chunk(3, dim=-1)
-    r = torch.sigmoid(gi[0] + gh[0])
-    z = torch.sigmoid(gi[1] + gh[1])
-    n = torch.tanh(gi[2] + r * gh[2])
-    return (1.0 - z) * n + z * h
 
 
 def logit_delta(proj: nn.Sequential, normed: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -90,7 +116,7 @@ def domino_walk(
     normed: torch.Tensor,
     anchor_ids: torch.Tensor,
     embed: Callable[[torch.Tensor], torch.Tensor],
-    gru: nn.GRU,
+    gru: PrefixGRU,
     proj: nn.Sequential,
     prefix_len: int,
     k: int,
@@ -115,7 +141,7 @@ def domino_walk(
     prev = anchor_ids
     tokens, qs, cands = [], [], []
     for i in range(base_logits.shape[-2]):
-        state = gru_step(gru, embed(prev), state)  # after the anchor and drafts 1..i
+        state = gru.step(gru.project(embed(prev)), state)  # after the anchor and drafts 1..i
         logits = base_logits[..., i, :]  # (..., V)
         if i >= prefix_len:  # token i + 1 > p
             logits = logits + logit_delta(proj, normed[..., i, :], state).to(logits.dtype)
