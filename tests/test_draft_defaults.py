@@ -21,6 +21,8 @@ from tests._train_helpers import DEFAULT_TARGET, REPO
 RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head",
                  "confidence_head_with_markov")
+DOMINO_FIELDS = ("domino_emb_dim", "domino_gru_hidden_dim", "domino_prefix_len",
+                 "domino_shift_label")
 
 
 
@@ -99,6 +101,8 @@ def test_schema_draft_fields_are_dspine_fields_with_no_default_of_their_own() ->
 def test_every_draft_field_reaches_the_draft_from_the_command_line(name: str) -> None:
     # DSpark's head settings belong to `method: dspark` (any other method fixes them off)
     method = ["model.method=dspark"] if name in DSPARK_FIELDS else []
+    if name in DOMINO_FIELDS:  # and Domino's GRU settings to `method: domino`
+        method = ["model.method=domino"]
     recipe = compose_train_config("recipe=tiny", *method)
     # the value the recipe's draft has (a field `method` fixes defaults to None: the method's)
     base = getattr(plan_draft_config(recipe), name)

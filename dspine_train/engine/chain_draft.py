@@ -7,7 +7,8 @@ CUDA-graph-captured on CUDA, like every engine step). The token tree's draft liv
 
 A block proposes `draft_predictions` tokens: block_size - 1 for DSpine and DFlash (the anchor
 slot is the given token), block_size for DSpark, whose anchor slot predicts too and whose Markov
-head decodes the block left to right (`DSpineDraftModel.propose`). Either way a proposal is
+head decodes the block left to right (`DSpineDraftModel.propose`). A Domino draft's GRU decodes
+its block left to right too (block_size - 1 tokens, or block_size with `domino_shift_label`). Either way a proposal is
 tokens `(B, P)` and, when sampling, each slot's q over its candidates, drawn given the tokens
 drafted before it: what the chain's rejection sampling needs.
 """
@@ -22,11 +23,16 @@ import torch
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.sampling import Sampler
 from dspine_train.modeling.exponential_race import exponential_noise
+from dspine_train.modeling.method_presets import SERIAL_HEAD_METHODS
 
 
 def is_dspark(draft: Any | None) -> bool:
-    """Whether `draft` is a `method: dspark` draft (its anchor slot predicts too)."""
-    return draft is not None and bool(getattr(draft.config, "anchor_predicts", False))
+    """Whether `draft` decodes its block left to right through a head (`method: dspark` or
+    `domino`, or any draft whose anchor slot predicts): served as a chain only."""
+    if draft is None:
+        return False
+    return (bool(getattr(draft.config, "anchor_predicts", False))
+            or getattr(draft.config, "method", None) in SERIAL_HEAD_METHODS)
 
 
 def draft_predictions(config: Any) -> int:

@@ -315,7 +315,8 @@ class Engine:
         if not 1 <= g <= top:
             raise GenerationInputError(
                 f"num_draft_tokens={g} must be in 1..{top} (the draft's predictions per block: "
-                "block_size - 1, or block_size for a method: dspark draft)"
+                "block_size - 1, or block_size for a method: dspark draft or a domino draft "
+                "with domino_shift_label)"
             )
         return g
 
@@ -330,9 +331,10 @@ class Engine:
             raise GenerationInputError("tree_paths > 1 needs a draft")
         if paths > 1 and is_dspark(self.draft):
             raise GenerationInputError(
-                f"tree_paths={paths} (CLI: --tree-paths): a method: dspark draft is served as a "
-                "chain only (its Markov head decodes one path left to right; token trees are "
-                "built from DSpine's transition lattice); use tree_paths=1")
+                f"tree_paths={paths} (CLI: --tree-paths): a method: {self.draft.config.method} "
+                "draft is served as a chain only (its head (DSpark's Markov head, Domino's GRU) "
+                "decodes one path left to right; token trees are built from DSpine's transition "
+                "lattice); use tree_paths=1")
         if paths == 1 and nodes is not None:  # a chain has no tree to size: not ignored
             raise GenerationInputError(
                 f"tree_nodes={nodes} (CLI: --tree-nodes) sizes a token tree and needs "
@@ -344,9 +346,10 @@ class Engine:
         for the calls from now on."""
         if ngram is not None and is_dspark(self.draft):
             raise GenerationInputError(
-                "ngram (CLI: --ngram) with a method: dspark draft: the hybrid rounds merge the "
-                "n-gram branch into a token tree, which a DSpark draft does not propose; serve "
-                "it without --ngram (or the n-gram mode without a draft)")
+                f"ngram (CLI: --ngram) with a method: {self.draft.config.method} draft: the "
+                "hybrid rounds merge the n-gram branch into a token tree, which a DSpark or "
+                "Domino draft does not propose; serve it without --ngram (or the n-gram mode "
+                "without a draft)")
         self.ngram, self.adaptive = ngram, bool(adaptive)
         self._costs.clear()  # measured for other shapes
         # What the proposals scored in earlier calls (`round_planner.PlannerMemory`).

@@ -40,7 +40,7 @@ from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_jso
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..output_lock import lock_output
 from ..owned_dir import OwnedDirError, check_no_overlap, check_replaceable, write_marker
-from . import deepspec, dflash, specforge, speculators, speculators_dspark
+from . import deepspec, dflash, specforge, specforge_domino, speculators, speculators_dspark
 from .dflash import FormatError
 
 FORMATS = ("dspine", "dflash", "specforge", "speculators", "deepspec")
@@ -81,6 +81,7 @@ def is_draft_export(directory: Path) -> bool:
     return isinstance(fields, dict) and (
         fields.get("model_type") == DSpineConfig.model_type or dflash.is_dflash_config(fields)
         or specforge.is_specforge_config(fields) or speculators.is_speculators_config(fields)
+        or specforge_domino.is_domino_config(fields)
         or deepspec.is_deepspec_config(fields))
 
 
@@ -120,6 +121,14 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
             f"{source}: a pruned-vocabulary draft (draft_vocab_size="
             f"{draft.config.draft_vocab_size}, its d2t map) cannot be exported with --format "
             f"{fmt}: that format has no draft-to-target id map; export it with --format dspine")
+    if fmt == "specforge" and draft.config.method == "domino":
+        specforge_domino.check_exportable(draft.config, source)
+        tensors = specforge_domino.state_dict(state)
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json_atomic(directory / "config.json",
+                          specforge_domino.config_dict(draft.config, tensors["fc.weight"].dtype),
+                          indent=2, sort_keys=True)
+        return
     if fmt == "specforge":
         specforge.check_exportable(draft.config, source)
         tensors = specforge.state_dict(state)
@@ -183,10 +192,25 @@ def import_dflash(directory: str | Path) -> DSpineDraftModel:
     return draft.to(dtype).eval()
 
 
+def import_domino(directory: str | Path) -> DSpineDraftModel:
+    """A SpecForge Domino checkpoint as a `method: domino` `DSpineDraftModel` (the same network);
+    every backbone and head tensor must be present with its shape, and nothing else."""
+    directory = Path(directory)
+    config = specforge_domino.config_from_dict(dflash.read_config(directory), str(directory))
+    draft = DSpineDraftModel(config)
+    tensors = specforge_domino.read_tensors(str(directory), draft.state_dict())
+    dtype = tensors["fc.weight"].dtype
+    draft.load_state_dict(tensors, strict=False)
+    draft.config._name_or_path = str(directory)
+    return draft.to(dtype).eval()
+
+
 def readable_format(fields: dict[str, Any], source: str | Path) -> str:
-    """Which format a draft's `config.json` dict is in, of those read here: "specforge",
-    "deepspec", "speculators" (a DSpark draft), "dflash" or "dspine". A speculators-format
-    DFlash draft is refused (`FormatError`)."""
+    """Which format a draft's `config.json` dict is in, of those read here: "specforge"
+    (SpecForge's DSpine), "specforge-domino", "deepspec", "speculators" (a DSpark draft),
+    "dflash" or "dspine". A speculators-format DFlash draft is refused (`FormatError`)."""
+    if specforge_domino.is_domino_config(fields):  # it has a dflash_config too: checked first
+        return "specforge-domino"
     if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
         return "specforge"
     if deepspec.is_deepspec_config(fields):
@@ -206,6 +230,8 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
     `method: dflash` draft, a SpecForge one as the DSpine draft it is); strict
     (`DSpineDraftModel.from_pretrained` / `import_dflash` / `specforge.import_specforge`)."""
     fmt = readable_format(dflash.read_config(directory), directory)
+    if fmt == "specforge-domino":
+        return import_domino(directory)
     if fmt == "specforge":
         return specforge.import_specforge(directory)
     if fmt == "speculators":

@@ -22,6 +22,7 @@ from transformers import PreTrainedConfig
 from .mask_token import check_mask_token, pick_mask_token_id
 from .method_presets import (
     ANCHOR_PREDICTING_METHODS,
+    DOMINO_METHOD,
     METHOD_FREE_FIELDS,
     METHOD_PRESETS,
 )
@@ -142,6 +143,14 @@ class DSpineConfig(PreTrainedConfig):
         enable_confidence_head: DSpark's per-slot acceptance predictor Linear(H (+ r), 1).
         confidence_head_with_markov: the confidence head reads [hidden ; W1[previous token]]
             (needs markov_rank > 0) rather than the hidden state alone.
+        domino_emb_dim: `method: domino`: width of the logit-delta MLP `embed_proj`
+            (Linear(H + G, emb_dim), SiLU, Linear(emb_dim, V); SpecForge's `emb_dim`, 256).
+        domino_gru_hidden_dim: G, the hidden size of Domino's GRU over the embeddings of the
+            tokens before each drafted slot (SpecForge's `gru_hidden_dim`, 1024).
+        domino_prefix_len: the first drafted tokens of a block that keep the backbone's logits
+            (no GRU correction; SpecForge's `pure_draft_prefix_len`).
+        domino_shift_label: the anchor slot predicts too (slot k predicts token a+k+1, B drafts a
+            block, as DSpark) instead of same-position labels (SpecForge's `shift_label`).
     Objective fields (read by `dspine_train.objective`):
         loss_gamma: decay of the per-slot weight `exp(-(k-1)/gamma)`.
         ce_weight: c, share of label CE in the backbone and refinement terms (rest is L1 distill).
@@ -161,6 +170,10 @@ class DSpineConfig(PreTrainedConfig):
             on the candidates.
         confidence_weight: `method: dspark`: weight of the confidence head's BCE against each
             slot's acceptance 1 - ||p_draft - p_target||_1 / 2 (DeepSpec: 1.0).
+        domino_lambda_start, domino_lambda_decay_ratio: `method: domino`: the base-logits CE
+            weight l of `(1 - l) CE(final) + l CE(base)` starts at `domino_lambda_start` and falls
+            linearly to 0 at `domino_lambda_decay_ratio` of training (SpecForge's
+            `lambda_base_start` 1.0 and `lambda_base_decay_ratio` 0.5; its Qwen3-8B run: 1.0).
     Target identity (for validation and model cards):
         target_name_or_path, target_model_type, target_vocab_size (tokenizer length).
     """
@@ -186,7 +199,9 @@ class DSpineConfig(PreTrainedConfig):
         "alignment_layer_reduction": "mean", "refine_normalization": "covered",
         "draft_vocab_size": None, "markov_rank": None, "markov_head_type": None,
         "enable_confidence_head": None, "confidence_head_with_markov": None,
-        "confidence_weight": 1.0,
+        "confidence_weight": 1.0, "domino_emb_dim": None, "domino_gru_hidden_dim": None,
+        "domino_prefix_len": None, "domino_shift_label": None, "domino_lambda_start": 1.0,
+        "domino_lambda_decay_ratio": 0.5,
     }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
@@ -215,7 +230,7 @@ class DSpineConfig(PreTrainedConfig):
     target_num_layers: int = 36
     block_size: int = 16
     mask_token_id: int | None = None
-    method: Literal["dspine", "dflash", "dspark"] = "dspine"
+    method: Literal["dspine", "dflash", "dspark", "domino"] = "dspine"
     block_attention: Literal["causal", "bidirectional"] | None = None
 
     # DSpine parts (METHOD 2.1-2.4).
@@ -237,6 +252,12 @@ class DSpineConfig(PreTrainedConfig):
     enable_confidence_head: bool | None = None
     confidence_head_with_markov: bool | None = None
 
+    # Domino's GRU logit correction (`domino_head.py`).
+    domino_emb_dim: int | None = None
+    domino_gru_hidden_dim: int | None = None
+    domino_prefix_len: int | None = None
+    domino_shift_label: bool | None = None
+
     # Objective (METHOD 2.3).
     loss_gamma: float = 7.0
     ce_weight: float = 0.1
@@ -249,6 +270,8 @@ class DSpineConfig(PreTrainedConfig):
     token_ce_intermediate: bool | None = None
     distill_mass_threshold: float = 1e-4
     confidence_weight: float = 1.0
+    domino_lambda_start: float = 1.0
+    domino_lambda_decay_ratio: float = 0.5
 
     # Target identity.
     target_name_or_path: str | None = None
@@ -289,6 +312,7 @@ class DSpineConfig(PreTrainedConfig):
         if conflicts:
             what = {"dflash": "the reference DFlash draft",
                     "dspark": "DSpark (the DFlash backbone with its Markov and confidence heads)",
+                    "domino": "Domino (the DFlash backbone with its GRU logit correction)",
                     "dspine": "DSpine (DSpark's heads belong to method: dspark)"}[self.method]
             raise ValueError(
                 f"method: {self.method} is {what} and fixes these fields; remove them or use "
@@ -299,7 +323,8 @@ class DSpineConfig(PreTrainedConfig):
     def anchor_predicts(self) -> bool:
         """Whether the anchor slot is itself a prediction (DSpark: slot k predicts token a+k+1,
         B predictions per block) rather than the given token (slots 1..B-1 predict a+k)."""
-        return self.method in ANCHOR_PREDICTING_METHODS
+        return self.method in ANCHOR_PREDICTING_METHODS or (
+            self.method == DOMINO_METHOD and bool(self.domino_shift_label))
 
     @property
     def num_predictions(self) -> int:
@@ -479,6 +504,7 @@ class DSpineConfig(PreTrainedConfig):
                 raise ValueError(f"{name} must be one of {list(allowed)}, "
                                  f"got {getattr(self, name)!r}")
         self._check_dspark()
+        self._check_domino()
 
     def _check_dspark(self) -> None:
         """DSpark's head settings: a rank >= 0, the implemented head variant, a
@@ -500,6 +526,26 @@ class DSpineConfig(PreTrainedConfig):
         if self.method == "dspark" and self.draft_vocab_size is not None:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: dspark scores "
                              "the target's whole vocabulary (a pruned DSpark is not implemented)")
+
+    def _check_domino(self) -> None:
+        """Domino's settings: positive widths, a pure-draft prefix inside the block, a schedule
+        in [0, 1], the whole vocabulary."""
+        if self.method != DOMINO_METHOD:
+            return
+        for name in ("domino_emb_dim", "domino_gru_hidden_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 for method: domino, got {getattr(self, name)}")
+        if not 0 <= self.domino_prefix_len < self.num_predictions:
+            raise ValueError(f"domino_prefix_len must be in 0..{self.num_predictions - 1} (the "
+                             f"block's drafted tokens), got {self.domino_prefix_len}")
+        if not 0.0 <= self.domino_lambda_start <= 1.0:
+            raise ValueError(f"domino_lambda_start must be in [0, 1], got {self.domino_lambda_start}")
+        if not 0.0 < self.domino_lambda_decay_ratio <= 1.0:
+            raise ValueError("domino_lambda_decay_ratio must be in (0, 1], got "
+                             f"{self.domino_lambda_decay_ratio}")
+        if self.draft_vocab_size is not None:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: domino scores "
+                             "the target's whole vocabulary (its embed_proj outputs V logits)")
 
     def validate_for_target(self, target_config: PreTrainedConfig, tokenizer: Any = None) -> None:
         """Check that this draft fits `target_config` (and its tokenizer); `ValueError` names the field."""

@@ -3,7 +3,8 @@
 Parameters (HF-style names): `fc` and `hidden_norm` fuse the target's context features,
 `layers.*` are Qwen3-style decoder layers, `norm` is the final norm, `injection.*` holds the
 readouts, message, gates and writes; a `method: dspark` draft adds `markov_head.*` and
-`confidence_head.*` (`markov_head.py`). The token table codes are a persistent, non-trainable
+`confidence_head.*` (`markov_head.py`), a `method: domino` draft `prefix_gru.*` and `embed_proj.*`
+(`domino_head.py`). The token table codes are a persistent, non-trainable
 buffer. The target's frozen `embed_tokens` / `lm_head` weights are bound with `bind_target` and
 are never parameters of the draft nor part of its checkpoint.
 """
@@ -31,6 +32,13 @@ from .attention_masks import (
 from .compiled_flex import check_flex_usable
 from .configuration_dspine import DSpineConfig
 from .context_cache import DraftContextCache
+from .domino_head import (
+    build_domino_head,
+    domino_states,
+    domino_walk,
+    init_domino_head,
+    logit_delta,
+)
 from .injection import AdjacentInjection
 from .layer_stack import CachedContext, ProjectedContext, run_layer_stack
 from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding, vocab_projection
@@ -64,8 +72,9 @@ class DSpineTrainOutput:
         Bk-1 tokens at anchor + k (k = 1..Bk-1), or for DSpark P = Bk tokens at anchor + k + 1
         (k = 0..Bk-1).
     anchor_ids: (B, A) the anchor token of every block.
-    prev_ids: (B, A, Bk) DSpark only: the true token before each slot's target (anchor + k),
-        the Markov head's teacher-forced input (`dspark_block`); None for other methods.
+    prev_ids: (B, A, P) DSpark and Domino only: the true token before each predicting slot's
+        target (anchor + k for target k + 1), the Markov head's or the GRU's teacher-forced
+        input (`dspark_block`, `domino_prev_states`); None for other methods.
     """
 
     hidden: torch.Tensor
@@ -126,6 +135,7 @@ class DSpinePreTrainedModel(PreTrainedModel):
             init.zeros_(injection.gate_pred.weight)
             init.zeros_(module.token_codes)
             init_dspark_heads(module.markov_head, module.confidence_head, std)
+            init_domino_head(module.prefix_gru)
 
 
 class DSpineDraftModel(DSpinePreTrainedModel):
@@ -142,6 +152,8 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         self.injection = AdjacentInjection(config)
         # DSpark's Markov and confidence heads (None for the other methods).
         self.markov_head, self.confidence_head = build_dspark_heads(config)
+        # Domino's GRU and logit-delta MLP (None for the other methods).
+        self.prefix_gru, self.embed_proj = build_domino_head(config)
         # Token codes T (V, r) of the unified transfer space (METHOD 2.1); saved, never trained.
         self.register_buffer(
             "token_codes", torch.zeros(config.vocab_size, config.transfer_dim), persistent=True
@@ -371,7 +383,8 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         gathered = torch.gather(input_ids, 1, spanned.clamp_max(seq_len - 1).view(bsz, -1))
         gathered = gathered.view(bsz, num_blocks, span)  # (B, A, span) tokens at a+k
         labels = torch.where(in_seq, gathered, torch.full_like(gathered, -100))[..., 1:]
-        prev_ids = gathered[..., :bk] if cfg.anchor_predicts else None  # (B, A, Bk)
+        with_prev = cfg.anchor_predicts or cfg.method == "domino"
+        prev_ids = gathered[..., :cfg.num_predictions] if with_prev else None  # (B, A, P)
         # the block's own slots
         gathered, positions = gathered[..., :bk], spanned[..., :bk].contiguous()
         anchor_ids = gathered[..., 0]  # (B, A)
@@ -436,7 +449,42 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         return dspark_outputs(normed, base, prev_ids, self.markov_head, self.confidence_head,
                               cfg.confidence_head_with_markov)
 
+    def domino_prev_states(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """Domino's GRU states s_i, teacher-forced: prev_ids (..., P) the tokens before each
+        drafted token (`forward`'s `prev_ids`) -> (..., P, G) (`domino_head.domino_states`)."""
+        if self.prefix_gru is None:
+            raise ValueError(f"domino_prev_states: a method: {self.config.method} draft has no GRU")
+        return domino_states(self.prefix_gru, self.embed_tokens(prev_ids))
+
+    def domino_logits(self, hidden: torch.Tensor, states: torch.Tensor,
+                      corrected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final, base) vocabulary logits (..., V) of drafted tokens: hidden (..., H) their
+        slots' last-layer states before the final norm, states (..., G) their GRU states,
+        corrected (...,) bool, whether each token is past the pure-draft prefix (gets the
+        delta). Full-vocabulary logits: the objective chunks its calls."""
+        normed = self.norm(hidden)
+        base = vocab_projection(normed, self.output_head().to(hidden.dtype))
+        delta = logit_delta(self.embed_proj, normed, states).to(base.dtype)
+        return base + delta * corrected[..., None].to(base.dtype), base
+
     # ------------------------------------------------------------------ decoding
+    def domino_walk(
+        self,
+        base_logits: torch.Tensor,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float | torch.Tensor = 0.0,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> WalkResult:
+        """Decode a Domino block from its drafting slots' base logits (..., P, V) and
+        last-layer states before the final norm (..., P, H): the GRU's left-to-right walk
+        (`domino_head.domino_walk`), K = `candidate_k` when sampling. The tokens (..., P) are
+        the drafts for positions anchor+1 .. anchor+P."""
+        return domino_walk(base_logits, self.norm(hidden), anchor_ids, self.embed_tokens,
+                           self.prefix_gru, self.embed_proj, self.config.domino_prefix_len,
+                           self.num_candidates, temperature, generator, noise)
+
     def dspark_walk(
         self,
         base_logits: torch.Tensor,
@@ -583,6 +631,11 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         it a pure function of tensors (the engine's compiled, captured sampling step).
         """
         slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
+        if self.config.method == "domino":  # no injection: `pre` is the last layer's output
+            first = 0 if self.config.anchor_predicts else 1
+            result = self.domino_walk(slot_logits, pre[:, first:], anchor_ids, temperature,
+                                      generator, noise)
+            return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
         if self.config.anchor_predicts:
             result = self.dspark_walk(slot_logits, anchor_ids, temperature, generator, noise)
             return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)

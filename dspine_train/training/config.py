@@ -512,6 +512,11 @@ def _check_dflash_export(model: ModelConfig) -> None:
             "- use export.format: dspine, then `python -m dspine_train.export` with --format "
             "speculators or deepspec for vLLM and SGLang"
         )
+    if overrides.get("method") == "domino":
+        raise ConfigError(
+            "export.format: dflash needs model.method: dflash (a Domino draft's GRU and "
+            "logit-delta MLP have no place in the DFlash format) - use export.format: dspine, "
+            "then `python -m dspine_train.export` with --format specforge for SGLang")
     dflash = METHOD_PRESETS["dflash"]
     differ = [f"model.{name}" for name in ("injection", "block_attention", "transition_cache")
               if overrides.get(name) != dflash[name]]
