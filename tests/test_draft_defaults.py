@@ -21,6 +21,7 @@ from tests._train_helpers import DEFAULT_TARGET, REPO
 RECIPES = sorted(p.stem for p in (REPO / "recipes" / "recipe").glob("*.yaml"))
 DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head",
                  "confidence_head_with_markov")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 
@@ -50,6 +51,8 @@ def _other_value(name: str, base: object) -> object:
         return "dflash" if base == "dspine" else "dspine"
     if name == "markov_head_type":
         return "vanilla"  # the one variant implemented; the others are refused by name
+    if name == "conv_group_size":
+        return base // 2  # still a divisor of the hidden size
     if name == "block_attention":
         return "bidirectional" if base == "causal" else "causal"
     choices = {"readout_init": ("whitened", "directions"),
@@ -98,7 +101,9 @@ def test_schema_draft_fields_are_dspine_fields_with_no_default_of_their_own() ->
 @pytest.mark.parametrize("name", list(DSpineConfig.draft_fields()))
 def test_every_draft_field_reaches_the_draft_from_the_command_line(name: str) -> None:
     # DSpark's head settings belong to `method: dspark` (any other method fixes them off)
-    method = ["model.method=dspark"] if name in DSPARK_FIELDS else []
+    # and DFlash2's settings to `method: dflash2`
+    method = (["model.method=dspark"] if name in DSPARK_FIELDS
+              else ["model.method=dflash2"] if name in DFLASH2_FIELDS else [])
     recipe = compose_train_config("recipe=tiny", *method)
     # the value the recipe's draft has (a field `method` fixes defaults to None: the method's)
     base = getattr(plan_draft_config(recipe), name)

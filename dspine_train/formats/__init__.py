@@ -14,7 +14,8 @@
 * `speculators` (`speculators.py`): vLLM's own format as the `speculators` package writes it
   (`speculators_model_type: dflash`, the verifier named in `speculators_config`) for DFlash
   drafts, written, not read; and (`speculators_dspark.py`, `speculators_model_type: dspark`) for
-  DSpark drafts (`method: dspark`), written and read.
+  DSpark drafts (`method: dspark`), written and read; and (`speculators_dflash2.py`,
+  `speculators_model_type: dflash2`) for DFlash2 drafts (`method: dflash2`), written and read.
 * `deepspec` (`deepspec.py`): DeepSpec's own DSpark checkpoint (`architectures:
   ["Qwen3DSparkModel"]`, which vLLM serves natively; published DSpark drafts are in it);
   DSpark drafts only, written and read.
@@ -23,7 +24,8 @@
 `write_format` writes a draft into a directory being built (the trainer's export);
 `load_draft` reads the dspine, dflash, specforge, deepspec and speculators-DSpark formats into a
 `DSpineDraftModel` (a DFlash checkpoint becomes a `method: dflash` draft, a DSpark one a
-`method: dspark` draft). Further formats go beside these.
+`method: dspark` draft, a DFlash2 one a `method: dflash2` draft). Further formats go beside
+these.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_jso
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..output_lock import lock_output
 from ..owned_dir import OwnedDirError, check_no_overlap, check_replaceable, write_marker
-from . import deepspec, dflash, specforge, speculators, speculators_dspark
+from . import deepspec, dflash, specforge, speculators, speculators_dflash2, speculators_dspark
 from .dflash import FormatError
 
 FORMATS = ("dspine", "dflash", "specforge", "speculators", "deepspec")
@@ -137,15 +139,24 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
                           indent=2, sort_keys=True)
         return
     dspark = fmt == "speculators" and draft.config.method == "dspark"
+    dflash2 = fmt == "speculators" and draft.config.method == "dflash2"
     check_exportable(draft.config, source, fmt)  # refused before anything is written
     if fmt == "speculators":  # and the verifier checked
         target = speculators.verifier_block(draft.config, verifier, source)
-    # the same backbone tensors in every DFlash-family format; a DSpark's heads beside them
-    tensors = speculators_dspark.state_dict(state) if dspark else dflash.state_dict(state)
+    # the same backbone tensors in every DFlash-family format; a DSpark's heads or a DFlash2's
+    # selector beside them
+    if dspark:
+        tensors = speculators_dspark.state_dict(state)
+    elif dflash2:
+        tensors = speculators_dflash2.state_dict(state)
+    else:
+        tensors = dflash.state_dict(state)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     dtype = tensors["fc.weight"].dtype
     if dspark:
         fields = speculators_dspark.config_dict(draft.config, dtype, target)
+    elif dflash2:
+        fields = speculators_dflash2.config_dict(draft.config, dtype, target)
     elif fmt == "speculators":
         fields = speculators.config_dict(draft.config, dtype, target)
     else:
@@ -161,6 +172,8 @@ def check_exportable(config: DSpineConfig, source: str, fmt: str) -> None:
         deepspec.check_exportable(config, source)
     elif fmt == "speculators" and config.method == "dspark":
         speculators_dspark.check_exportable(config, source)
+    elif fmt == "speculators" and config.method == "dflash2":
+        speculators_dflash2.check_exportable(config, source)
     elif fmt == "speculators":
         speculators.check_exportable(config, source)
     else:
@@ -191,12 +204,12 @@ def readable_format(fields: dict[str, Any], source: str | Path) -> str:
         return "specforge"
     if deepspec.is_deepspec_config(fields):
         return "deepspec"
-    if speculators_dspark.is_dspark_config(fields):
+    if speculators_dspark.is_dspark_config(fields) or speculators_dflash2.is_dflash2_config(fields):
         return "speculators"
     if speculators.is_speculators_config(fields):  # its architectures name is DFlash's too
         kind = fields.get("speculators_model_type")
         raise FormatError(f"{source}: a speculators-format draft ({kind}); this project reads the "
-                          "dspine, dflash and specforge formats and speculators' dspark drafts "
+                          "dspine, dflash and specforge formats and speculators' dspark and dflash2 drafts "
                           "(export the draft's source again)")
     return "dflash" if dflash.is_dflash_config(fields) else "dspine"
 
@@ -208,6 +221,8 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
     fmt = readable_format(dflash.read_config(directory), directory)
     if fmt == "specforge":
         return specforge.import_specforge(directory)
+    if fmt == "speculators" and speculators_dflash2.is_dflash2_config(dflash.read_config(directory)):
+        return speculators_dflash2.import_dflash2(directory)
     if fmt == "speculators":
         return speculators_dspark.import_dspark(directory)
     if fmt == "deepspec":

@@ -106,9 +106,10 @@ class DSpineConfig(PreTrainedConfig):
         block_size: block length B (slot 0 is the anchor, slots 1..B-1 are drafted; with
             `method: dspark` every slot drafts, slot k predicting token a+k+1).
         mask_token_id: an unused vocabulary id that fills slots 1..B-1 of the block input.
-        method: "dspine", "dflash" (the reference DFlash network) or "dspark" (DeepSpec's
+        method: "dspine", "dflash" (the reference DFlash network), "dspark" (DeepSpec's
             DSpark: the DFlash backbone whose anchor slot predicts too, plus the Markov and
-            confidence heads). `METHOD_PRESETS` gives each method's `injection`,
+            confidence heads) or "dflash2" (z-lab's DFlash2: DFlash's layout with grouped
+            dynamic causal convolutions in every layer and a candidate selector). `METHOD_PRESETS` gives each method's `injection`,
             `block_attention`, `transition_cache`, `refine_weight`, `alignment_weight`,
             `token_ce_intermediate` and DSpark head settings; a method refuses another value
             for the fields it fixes (`METHOD_FREE_FIELDS`: those it leaves open). These fields
@@ -142,6 +143,12 @@ class DSpineConfig(PreTrainedConfig):
         enable_confidence_head: DSpark's per-slot acceptance predictor Linear(H (+ r), 1).
         confidence_head_with_markov: the confidence head reads [hidden ; W1[previous token]]
             (needs markov_rank > 0) rather than the hidden state alone.
+        conv_kernel_size: `method: dflash2`: taps of the grouped dynamic causal convolution
+            around each layer's attention and MLP (2); 0 for the other methods.
+        conv_group_size: `method: dflash2`: hidden channels sharing one dynamic kernel (16).
+        selector_rank: `method: dflash2`: rank of the candidate selector (256).
+        selector_top_k: `method: dflash2`: candidates per slot the selector reranks (16); also
+            the K a sampling walk draws among.
     Objective fields (read by `dspine_train.objective`):
         loss_gamma: decay of the per-slot weight `exp(-(k-1)/gamma)`.
         ce_weight: c, share of label CE in the backbone and refinement terms (rest is L1 distill).
@@ -161,6 +168,8 @@ class DSpineConfig(PreTrainedConfig):
             on the candidates.
         confidence_weight: `method: dspark`: weight of the confidence head's BCE against each
             slot's acceptance 1 - ||p_draft - p_target||_1 / 2 (DeepSpec: 1.0).
+        selector_weight: `method: dflash2`: weight of the selector's K-way CE beside the unary
+            KL (speculators' `selector_loss_alpha`: 1.0).
     Target identity (for validation and model cards):
         target_name_or_path, target_model_type, target_vocab_size (tokenizer length).
     """
@@ -186,7 +195,8 @@ class DSpineConfig(PreTrainedConfig):
         "alignment_layer_reduction": "mean", "refine_normalization": "covered",
         "draft_vocab_size": None, "markov_rank": None, "markov_head_type": None,
         "enable_confidence_head": None, "confidence_head_with_markov": None,
-        "confidence_weight": 1.0,
+        "confidence_weight": 1.0, "conv_kernel_size": None, "conv_group_size": None,
+        "selector_rank": None, "selector_top_k": None, "selector_weight": 1.0,
     }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
@@ -215,7 +225,7 @@ class DSpineConfig(PreTrainedConfig):
     target_num_layers: int = 36
     block_size: int = 16
     mask_token_id: int | None = None
-    method: Literal["dspine", "dflash", "dspark"] = "dspine"
+    method: Literal["dspine", "dflash", "dspark", "dflash2"] = "dspine"
     block_attention: Literal["causal", "bidirectional"] | None = None
 
     # DSpine parts (METHOD 2.1-2.4).
@@ -237,6 +247,12 @@ class DSpineConfig(PreTrainedConfig):
     enable_confidence_head: bool | None = None
     confidence_head_with_markov: bool | None = None
 
+    # DFlash2's convolutions and candidate selector (`dflash2_layers.py`, `candidate_selector.py`).
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+
     # Objective (METHOD 2.3).
     loss_gamma: float = 7.0
     ce_weight: float = 0.1
@@ -249,6 +265,7 @@ class DSpineConfig(PreTrainedConfig):
     token_ce_intermediate: bool | None = None
     distill_mass_threshold: float = 1e-4
     confidence_weight: float = 1.0
+    selector_weight: float = 1.0
 
     # Target identity.
     target_name_or_path: str | None = None
@@ -289,6 +306,8 @@ class DSpineConfig(PreTrainedConfig):
         if conflicts:
             what = {"dflash": "the reference DFlash draft",
                     "dspark": "DSpark (the DFlash backbone with its Markov and confidence heads)",
+                    "dflash2": "DFlash2 (the DFlash backbone with its convolutions and candidate "
+                               "selector)",
                     "dspine": "DSpine (DSpark's heads belong to method: dspark)"}[self.method]
             raise ValueError(
                 f"method: {self.method} is {what} and fixes these fields; remove them or use "
@@ -479,6 +498,31 @@ class DSpineConfig(PreTrainedConfig):
                 raise ValueError(f"{name} must be one of {list(allowed)}, "
                                  f"got {getattr(self, name)!r}")
         self._check_dspark()
+        self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        """DFlash2's settings: every one >= 1, the hidden size split into whole groups, the
+        kernel inside a block, the candidates inside the vocabulary, the whole vocabulary."""
+        if self.selector_weight < 0:
+            raise ValueError(f"selector_weight must be >= 0, got {self.selector_weight}")
+        if self.method != "dflash2":
+            return
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 for method: dflash2, got "
+                                 f"{getattr(self, name)}")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(f"conv_group_size ({self.conv_group_size}) must divide hidden_size "
+                             f"({self.hidden_size})")
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size ({self.conv_kernel_size}) cannot exceed "
+                             f"block_size ({self.block_size})")
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(f"selector_top_k ({self.selector_top_k}) cannot exceed vocab_size "
+                             f"({self.vocab_size})")
+        if self.draft_vocab_size is not None:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: dflash2 scores "
+                             "the target's whole vocabulary (as speculators' DFlash2 requires)")
 
     def _check_dspark(self) -> None:
         """DSpark's head settings: a rank >= 0, the implemented head variant, a

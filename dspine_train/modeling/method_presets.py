@@ -1,4 +1,4 @@
-"""What each draft `method` fixes: the settings of DSpine, DFlash and DSpark (METHOD 2.5).
+"""What each draft `method` fixes: the settings of DSpine, DFlash, DSpark and DFlash2 (METHOD 2.5).
 
 Plain data, read by `DSpineConfig.apply_method`, the formats and the training config.
 """
@@ -16,6 +16,11 @@ from typing import Any
 # it fixes (`METHOD_FREE_FIELDS` lists the ones it leaves open; see `apply_method`).
 _DSPARK_OFF = {"markov_rank": 0, "markov_head_type": "vanilla",
                "enable_confidence_head": False, "confidence_head_with_markov": False}
+# DFlash2 (z-lab): grouped dynamic causal convolutions around each layer's attention and MLP,
+# and a rank-r candidate selector over each slot's top-k (`dflash2_layers.py`,
+# `candidate_selector.py`); off (0) for the other methods.
+_DFLASH2_OFF = {"conv_kernel_size": 0, "conv_group_size": 0, "selector_rank": 0,
+                "selector_top_k": 0}
 _PLAIN_BACKBONE = {"injection": False, "block_attention": "bidirectional",
                    "transition_cache": False, "refine_weight": 0.0, "alignment_weight": 0.0,
                    "token_ce_intermediate": False}
@@ -27,13 +32,18 @@ METHOD_PRESETS: dict[str, dict[str, Any]] = {
         "refine_weight": 1.0,
         "alignment_weight": 0.5,
         "token_ce_intermediate": False,
-        **_DSPARK_OFF,
+        **_DSPARK_OFF, **_DFLASH2_OFF,
     },
-    "dflash": {**_PLAIN_BACKBONE, **_DSPARK_OFF},
+    "dflash": {**_PLAIN_BACKBONE, **_DSPARK_OFF, **_DFLASH2_OFF},
     # DeepSpec's published DSpark: rank-256 first-order ("vanilla") Markov head, confidence head
     # on [hidden ; W1[previous token]].
     "dspark": {**_PLAIN_BACKBONE, "markov_rank": 256, "markov_head_type": "vanilla",
-               "enable_confidence_head": True, "confidence_head_with_markov": True},
+               "enable_confidence_head": True, "confidence_head_with_markov": True,
+               **_DFLASH2_OFF},
+    # z-lab's published DFlash2: kernel 2, groups of 16 channels, a rank-256 selector over the
+    # top 16 candidates of each slot; DFlash's layout (the anchor given, B-1 predictions).
+    "dflash2": {**_PLAIN_BACKBONE, **_DSPARK_OFF, "conv_kernel_size": 2, "conv_group_size": 16,
+                "selector_rank": 256, "selector_top_k": 16},
 }
 # The preset fields each method leaves open (DSpine's ablation switches; DSpark's head
 # settings); every other preset field is fixed by the method.
@@ -42,6 +52,7 @@ METHOD_FREE_FIELDS: dict[str, tuple[str, ...]] = {
                "alignment_weight", "token_ce_intermediate"),
     "dflash": (),
     "dspark": tuple(_DSPARK_OFF),
+    "dflash2": tuple(_DFLASH2_OFF),
 }
 # Methods whose anchor slot is itself a prediction (slot k predicts token a+k+1).
 ANCHOR_PREDICTING_METHODS = ("dspark",)
