@@ -9,7 +9,9 @@ A block proposes `draft_predictions` tokens: block_size - 1 for DSpine and DFlas
 slot is the given token), block_size for DSpark, whose anchor slot predicts too and whose Markov
 head decodes the block left to right (`DSpineDraftModel.propose`). Either way a proposal is
 tokens `(B, P)` and, when sampling, each slot's q over its candidates, drawn given the tokens
-drafted before it: what the chain's rejection sampling needs.
+drafted before it: what the chain's rejection sampling needs. A DFlash2 block proposes
+block_size - 1 tokens, decoded left to right by its candidate selector over each slot's top
+`selector_top_k`: its q is the selector's softmax given the token drafted before the slot.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from dspine_train.modeling.exponential_race import exponential_noise
 def is_dspark(draft: Any | None) -> bool:
     """Whether `draft` is a `method: dspark` draft (its anchor slot predicts too)."""
     return draft is not None and bool(getattr(draft.config, "anchor_predicts", False))
+
+
+def is_dflash2(draft: Any | None) -> bool:
+    """Whether `draft` is a `method: dflash2` draft (its candidate selector decodes a block left
+    to right, `DSpineDraftModel.dflash2_walk`)."""
+    return draft is not None and getattr(draft.config, "method", None) == "dflash2"
 
 
 def draft_predictions(config: Any) -> int:

@@ -42,7 +42,12 @@ from typing import Any
 import torch
 
 from dspine_train.chat_template import KWARGS_KEY, template_mismatch
-from dspine_train.engine.chain_draft import ChainDrafter, draft_predictions, is_dspark
+from dspine_train.engine.chain_draft import (
+    ChainDrafter,
+    draft_predictions,
+    is_dflash2,
+    is_dspark,
+)
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.decode_loop import (
     GenerationResult,
@@ -89,7 +94,9 @@ class Engine:
     traces the steps without generating kernels).
 
     A DSpark draft (`method: dspark`) drafts `block_size` tokens a block (`num_predictions`),
-    served as a chain only: `tree_paths` > 1 and `ngram` with it are refused by name.
+    served as a chain only: `tree_paths` > 1 and `ngram` with it are refused by name. A DFlash2
+    draft (`method: dflash2`) drafts `block_size - 1`, decoded by its candidate selector, and is
+    served as a chain only too.
 
     `tree_paths` M > 1 verifies a token tree per round instead of the chain (see
     `engine.tree_verify`; lossless when greedy and when sampling): the top-M paths through the
@@ -333,6 +340,11 @@ class Engine:
                 f"tree_paths={paths} (CLI: --tree-paths): a method: dspark draft is served as a "
                 "chain only (its Markov head decodes one path left to right; token trees are "
                 "built from DSpine's transition lattice); use tree_paths=1")
+        if paths > 1 and is_dflash2(self.draft):
+            raise GenerationInputError(
+                f"tree_paths={paths} (CLI: --tree-paths): a method: dflash2 draft is served as a "
+                "chain only (its candidate selector decodes one path left to right; token trees "
+                "are built from DSpine's transition lattice); use tree_paths=1")
         if paths == 1 and nodes is not None:  # a chain has no tree to size: not ignored
             raise GenerationInputError(
                 f"tree_nodes={nodes} (CLI: --tree-nodes) sizes a token tree and needs "
@@ -346,6 +358,11 @@ class Engine:
             raise GenerationInputError(
                 "ngram (CLI: --ngram) with a method: dspark draft: the hybrid rounds merge the "
                 "n-gram branch into a token tree, which a DSpark draft does not propose; serve "
+                "it without --ngram (or the n-gram mode without a draft)")
+        if ngram is not None and is_dflash2(self.draft):
+            raise GenerationInputError(
+                "ngram (CLI: --ngram) with a method: dflash2 draft: the hybrid rounds merge the "
+                "n-gram branch into a token tree, which a DFlash2 draft does not propose; serve "
                 "it without --ngram (or the n-gram mode without a draft)")
         self.ngram, self.adaptive = ngram, bool(adaptive)
         self._costs.clear()  # measured for other shapes
