@@ -166,8 +166,8 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
 
 def check_exportable(config: DSpineConfig, source: str, fmt: str) -> None:
     """`FormatError` unless a draft with `config` can be written in `fmt`, one of the DFlash
-    family's formats ("dflash", "speculators", "deepspec"; the speculators format takes DFlash
-    and DSpark drafts, deepspec DSpark drafts)."""
+    family's formats ("dflash", "speculators", "deepspec"; the speculators format takes DFlash,
+    DSpark and DFlash2 drafts, deepspec DSpark drafts)."""
     if fmt == "deepspec":
         deepspec.check_exportable(config, source)
     elif fmt == "speculators" and config.method == "dspark":
@@ -198,7 +198,7 @@ def import_dflash(directory: str | Path) -> DSpineDraftModel:
 
 def readable_format(fields: dict[str, Any], source: str | Path) -> str:
     """Which format a draft's `config.json` dict is in, of those read here: "specforge",
-    "deepspec", "speculators" (a DSpark draft), "dflash" or "dspine". A speculators-format
+    "deepspec", "speculators" (a DSpark or DFlash2 draft), "dflash" or "dspine". A speculators-format
     DFlash draft is refused (`FormatError`)."""
     if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
         return "specforge"
@@ -235,7 +235,8 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
 def export_dir(source: str | Path, out: str | Path, fmt: str,
                verifier: str | None = None) -> Path:
     """Write the draft exported at `source` (dspine, dflash, specforge or deepspec format, or a
-    speculators DSpark draft) to `out` in format `fmt` (`verifier`: see `write_format`).
+    speculators DSpark or DFlash2 draft) to `out` in format `fmt` (`verifier`: see
+    `write_format`).
 
     `out` is built beside itself and swapped in whole: it is never half-written, and an
     existing export there is replaced only once the new one is complete. It is locked for the
