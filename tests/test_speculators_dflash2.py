@@ -380,3 +380,26 @@ def test_a_speculators_dflash2_checkpoint_we_cannot_run_is_refused(world, tmp_pa
                                                                     message):
     with pytest.raises(FormatError, match=message):
         load_draft(edited_export(world["root"] / "spec", tmp_path / "edited", edit))
+
+
+def test_the_convolution_is_the_references_over_many_blocks():
+    """Blocks laid end to end (the training forward's layout): each block convolved on its own,
+    no tap reaching into the block before, as speculators' `grouped_dynamic_conv` computes it
+    over the flattened sequence; kernels of 1 to 3 taps."""
+    from speculators.models.dflash2.model_definitions import grouped_dynamic_conv as theirs
+
+    from dspine_train.modeling.dflash2_layers import grouped_dynamic_conv as ours
+
+    torch.manual_seed(0)
+    blocks, size, width, group = 3, 5, 32, 8
+    x = torch.randn(1, blocks * size, width)
+    for taps in (1, 2, 3):
+        delta = torch.randn(1, blocks * size, taps, width // group)
+        base = torch.randn(taps, width)
+        expected = theirs(x, delta, base, block_size=size, group_size=group)
+        torch.testing.assert_close(ours(x, delta, base, size, group), expected)
+        # a change in one block leaves the others alone
+        moved = x.clone()
+        moved[0, size - 1] += 1.0  # the last slot of block 0
+        out = ours(moved, delta, base, size, group)
+        torch.testing.assert_close(out[0, size:], expected[0, size:])
