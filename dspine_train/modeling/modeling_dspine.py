@@ -106,7 +106,7 @@ class DSpinePreTrainedModel(PreTrainedModel):
     config: DSpineConfig
     base_model_prefix = "dspine"
     main_input_name = "input_ids"
-    _no_split_modules = ["DSpineDecoderLayer"]
+    _no_split_modules = ["DSpineDecoderLayer", "DFlash2DecoderLayer"]
     _supports_sdpa = True
 
     @torch.no_grad()
