@@ -23,6 +23,7 @@ DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head",
                  "confidence_head_with_markov")
 DOMINO_FIELDS = ("domino_emb_dim", "domino_gru_hidden_dim", "domino_prefix_len",
                  "domino_shift_label")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 
@@ -52,6 +53,8 @@ def _other_value(name: str, base: object) -> object:
         return "dflash" if base == "dspine" else "dspine"
     if name == "markov_head_type":
         return "vanilla"  # the one variant implemented; the others are refused by name
+    if name == "conv_group_size":
+        return base // 2  # still a divisor of the hidden size
     if name == "block_attention":
         return "bidirectional" if base == "causal" else "causal"
     choices = {"readout_init": ("whitened", "directions"),
@@ -103,6 +106,8 @@ def test_every_draft_field_reaches_the_draft_from_the_command_line(name: str) ->
     method = ["model.method=dspark"] if name in DSPARK_FIELDS else []
     if name in DOMINO_FIELDS:  # and Domino's GRU settings to `method: domino`
         method = ["model.method=domino"]
+    if name in DFLASH2_FIELDS:  # and DFlash2's settings to `method: dflash2`
+        method = ["model.method=dflash2"]
     recipe = compose_train_config("recipe=tiny", *method)
     # the value the recipe's draft has (a field `method` fixes defaults to None: the method's)
     base = getattr(plan_draft_config(recipe), name)

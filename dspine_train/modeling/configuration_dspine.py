@@ -107,9 +107,10 @@ class DSpineConfig(PreTrainedConfig):
         block_size: block length B (slot 0 is the anchor, slots 1..B-1 are drafted; with
             `method: dspark` every slot drafts, slot k predicting token a+k+1).
         mask_token_id: an unused vocabulary id that fills slots 1..B-1 of the block input.
-        method: "dspine", "dflash" (the reference DFlash network) or "dspark" (DeepSpec's
+        method: "dspine", "dflash" (the reference DFlash network), "dspark" (DeepSpec's
             DSpark: the DFlash backbone whose anchor slot predicts too, plus the Markov and
-            confidence heads). `METHOD_PRESETS` gives each method's `injection`,
+            confidence heads) or "dflash2" (z-lab's DFlash2: DFlash's layout with grouped
+            dynamic causal convolutions in every layer and a candidate selector). `METHOD_PRESETS` gives each method's `injection`,
             `block_attention`, `transition_cache`, `refine_weight`, `alignment_weight`,
             `token_ce_intermediate` and DSpark head settings; a method refuses another value
             for the fields it fixes (`METHOD_FREE_FIELDS`: those it leaves open). These fields
@@ -151,6 +152,12 @@ class DSpineConfig(PreTrainedConfig):
             (no GRU correction; SpecForge's `pure_draft_prefix_len`).
         domino_shift_label: the anchor slot predicts too (slot k predicts token a+k+1, B drafts a
             block, as DSpark) instead of same-position labels (SpecForge's `shift_label`).
+        conv_kernel_size: `method: dflash2`: taps of the grouped dynamic causal convolution
+            around each layer's attention and MLP (2); 0 for the other methods.
+        conv_group_size: `method: dflash2`: hidden channels sharing one dynamic kernel (16).
+        selector_rank: `method: dflash2`: rank of the candidate selector (256).
+        selector_top_k: `method: dflash2`: candidates per slot the selector reranks (16); also
+            the K a sampling walk draws among.
     Objective fields (read by `dspine_train.objective`):
         loss_gamma: decay of the per-slot weight `exp(-(k-1)/gamma)`.
         ce_weight: c, share of label CE in the backbone and refinement terms (rest is L1 distill).
@@ -174,6 +181,8 @@ class DSpineConfig(PreTrainedConfig):
             weight l of `(1 - l) CE(final) + l CE(base)` starts at `domino_lambda_start` and falls
             linearly to 0 at `domino_lambda_decay_ratio` of training (SpecForge's
             `lambda_base_start` 1.0 and `lambda_base_decay_ratio` 0.5; its Qwen3-8B run: 1.0).
+        selector_weight: `method: dflash2`: weight of the selector's K-way CE beside the unary
+            KL (speculators' `selector_loss_alpha`: 1.0).
     Target identity (for validation and model cards):
         target_name_or_path, target_model_type, target_vocab_size (tokenizer length).
     """
@@ -201,7 +210,8 @@ class DSpineConfig(PreTrainedConfig):
         "enable_confidence_head": None, "confidence_head_with_markov": None,
         "confidence_weight": 1.0, "domino_emb_dim": None, "domino_gru_hidden_dim": None,
         "domino_prefix_len": None, "domino_shift_label": None, "domino_lambda_start": 1.0,
-        "domino_lambda_decay_ratio": 0.5,
+        "domino_lambda_decay_ratio": 0.5, "conv_kernel_size": None, "conv_group_size": None,
+        "selector_rank": None, "selector_top_k": None, "selector_weight": 1.0,
     }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
@@ -230,7 +240,7 @@ class DSpineConfig(PreTrainedConfig):
     target_num_layers: int = 36
     block_size: int = 16
     mask_token_id: int | None = None
-    method: Literal["dspine", "dflash", "dspark", "domino"] = "dspine"
+    method: Literal["dspine", "dflash", "dspark", "domino", "dflash2"] = "dspine"
     block_attention: Literal["causal", "bidirectional"] | None = None
 
     # DSpine parts (METHOD 2.1-2.4).
@@ -257,6 +267,11 @@ class DSpineConfig(PreTrainedConfig):
     domino_gru_hidden_dim: int | None = None
     domino_prefix_len: int | None = None
     domino_shift_label: bool | None = None
+    # DFlash2's convolutions and candidate selector (`dflash2_layers.py`, `candidate_selector.py`).
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     # Objective (METHOD 2.3).
     loss_gamma: float = 7.0
@@ -272,6 +287,7 @@ class DSpineConfig(PreTrainedConfig):
     confidence_weight: float = 1.0
     domino_lambda_start: float = 1.0
     domino_lambda_decay_ratio: float = 0.5
+    selector_weight: float = 1.0
 
     # Target identity.
     target_name_or_path: str | None = None
@@ -313,6 +329,8 @@ class DSpineConfig(PreTrainedConfig):
             what = {"dflash": "the reference DFlash draft",
                     "dspark": "DSpark (the DFlash backbone with its Markov and confidence heads)",
                     "domino": "Domino (the DFlash backbone with its GRU logit correction)",
+                    "dflash2": "DFlash2 (the DFlash backbone with its convolutions and candidate "
+                               "selector)",
                     "dspine": "DSpine (DSpark's heads belong to method: dspark)"}[self.method]
             raise ValueError(
                 f"method: {self.method} is {what} and fixes these fields; remove them or use "
@@ -505,6 +523,31 @@ class DSpineConfig(PreTrainedConfig):
                                  f"got {getattr(self, name)!r}")
         self._check_dspark()
         self._check_domino()
+        self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        """DFlash2's settings: every one >= 1, the hidden size split into whole groups, the
+        kernel inside a block, the candidates inside the vocabulary, the whole vocabulary."""
+        if self.selector_weight < 0:
+            raise ValueError(f"selector_weight must be >= 0, got {self.selector_weight}")
+        if self.method != "dflash2":
+            return
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 for method: dflash2, got "
+                                 f"{getattr(self, name)}")
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(f"conv_group_size ({self.conv_group_size}) must divide hidden_size "
+                             f"({self.hidden_size})")
+        if self.conv_kernel_size > self.block_size:
+            raise ValueError(f"conv_kernel_size ({self.conv_kernel_size}) cannot exceed "
+                             f"block_size ({self.block_size})")
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(f"selector_top_k ({self.selector_top_k}) cannot exceed vocab_size "
+                             f"({self.vocab_size})")
+        if self.draft_vocab_size is not None:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: dflash2 scores "
+                             "the target's whole vocabulary (as speculators' DFlash2 requires)")
 
     def _check_dspark(self) -> None:
         """DSpark's head settings: a rank >= 0, the implemented head variant, a

@@ -4,9 +4,10 @@ Parameters (HF-style names): `fc` and `hidden_norm` fuse the target's context fe
 `layers.*` are Qwen3-style decoder layers, `norm` is the final norm, `injection.*` holds the
 readouts, message, gates and writes; a `method: dspark` draft adds `markov_head.*` and
 `confidence_head.*` (`markov_head.py`), a `method: domino` draft `prefix_gru.*` and `embed_proj.*`
-(`domino_head.py`). The token table codes are a persistent, non-trainable
-buffer. The target's frozen `embed_tokens` / `lm_head` weights are bound with `bind_target` and
-are never parameters of the draft nor part of its checkpoint.
+(`domino_head.py`), a `method: dflash2` draft `layers.N.{attention,mlp}_conv.*` and
+`candidate_selector.*` (`dflash2_layers.py`, `candidate_selector.py`). The token table codes are a
+persistent, non-trainable buffer. The target's frozen `embed_tokens` / `lm_head` weights are bound
+with `bind_target` and are never parameters of the draft nor part of its checkpoint.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from .attention_masks import (
     flex_training_mask,
     inference_block_mask,
 )
+from .candidate_selector import CandidateSelector, selector_walk
 from .compiled_flex import check_flex_usable
 from .configuration_dspine import DSpineConfig
 from .context_cache import DraftContextCache
+from .dflash2_layers import DFlash2DecoderLayer, GroupedDynamicCausalConv
 from .domino_head import (
     build_domino_head,
     domino_states,
@@ -72,9 +75,10 @@ class DSpineTrainOutput:
         Bk-1 tokens at anchor + k (k = 1..Bk-1), or for DSpark P = Bk tokens at anchor + k + 1
         (k = 0..Bk-1).
     anchor_ids: (B, A) the anchor token of every block.
-    prev_ids: (B, A, P) DSpark and Domino only: the true token before each predicting slot's
-        target (anchor + k for target k + 1), the Markov head's or the GRU's teacher-forced
-        input (`dspark_block`, `domino_prev_states`); None for other methods.
+    prev_ids: (B, A, P) DSpark, Domino and DFlash2 only: the true token before each predicting
+        slot's target (anchor + k for target k + 1), the Markov head's, the GRU's or the
+        candidate selector's teacher-forced input (`dspark_block`, `domino_prev_states`); None
+        for other methods.
     """
 
     hidden: torch.Tensor
@@ -110,7 +114,7 @@ class DSpinePreTrainedModel(PreTrainedModel):
     config: DSpineConfig
     base_model_prefix = "dspine"
     main_input_name = "input_ids"
-    _no_split_modules = ["DSpineDecoderLayer"]
+    _no_split_modules = ["DSpineDecoderLayer", "DFlash2DecoderLayer"]
     _supports_sdpa = True
 
     @torch.no_grad()
@@ -122,6 +126,16 @@ class DSpinePreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, DSpineRMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, GroupedDynamicCausalConv):
+            # the identity (a DFlash layer); Linear's normal init above does not reach it (HF
+            # initialises children first, then this module)
+            identity = torch.zeros_like(module.base_kernel)
+            identity[:, 0] = 1.0
+            init.copy_(module.base_kernel, identity)
+            init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):
+            init.normal_(module.predecessor_codebook, std=std)
+            init.normal_(module.successor_codebook, std=std)
         elif isinstance(module, DSpineRotaryEmbedding):
             inv_freq, _ = module.compute_inv_freq(self.config)
             init.copy_(module.inv_freq, inv_freq)
@@ -146,7 +160,8 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         n_ctx = config.num_context_layers
         self.fc = nn.Linear(n_ctx * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DSpineRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DSpineDecoderLayer(config) for _ in range(config.num_layers))
+        layer = DFlash2DecoderLayer if config.method == "dflash2" else DSpineDecoderLayer
+        self.layers = nn.ModuleList(layer(config) for _ in range(config.num_layers))
         self.norm = DSpineRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DSpineRotaryEmbedding(config)
         self.injection = AdjacentInjection(config)
@@ -154,6 +169,12 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         self.markov_head, self.confidence_head = build_dspark_heads(config)
         # Domino's GRU and logit-delta MLP (None for the other methods).
         self.prefix_gru, self.embed_proj = build_domino_head(config)
+        # DFlash2's candidate selector (None for the other methods).
+        self.candidate_selector = None
+        if config.method == "dflash2":
+            self.candidate_selector = CandidateSelector(
+                config.vocab_size, config.hidden_size, config.selector_rank,
+                config.selector_top_k)
         # Token codes T (V, r) of the unified transfer space (METHOD 2.1); saved, never trained.
         self.register_buffer(
             "token_codes", torch.zeros(config.vocab_size, config.transfer_dim), persistent=True
@@ -383,7 +404,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         gathered = torch.gather(input_ids, 1, spanned.clamp_max(seq_len - 1).view(bsz, -1))
         gathered = gathered.view(bsz, num_blocks, span)  # (B, A, span) tokens at a+k
         labels = torch.where(in_seq, gathered, torch.full_like(gathered, -100))[..., 1:]
-        with_prev = cfg.anchor_predicts or cfg.method == "domino"
+        with_prev = cfg.anchor_predicts or cfg.method in ("domino", "dflash2")
         prev_ids = gathered[..., :cfg.num_predictions] if with_prev else None  # (B, A, P)
         # the block's own slots
         gathered, positions = gathered[..., :bk], spanned[..., :bk].contiguous()
@@ -499,6 +520,26 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         return markov_walk(base_logits, anchor_ids, self.markov_head, self.num_candidates,
                            temperature, generator, noise)
 
+    def dflash2_walk(
+        self,
+        unary_logits: torch.Tensor,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float | torch.Tensor = 0.0,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> WalkResult:
+        """Decode a DFlash2 block: its candidate selector's left-to-right walk over each drafted
+        slot's top `selector_top_k` (`candidate_selector.selector_walk`). unary_logits (..., Bk-1,
+        V) `draft_forward`'s slot logits, hidden (..., Bk-1, H) the last layer's output of
+        slots 1..Bk-1 (before the final norm, as `forward`'s `hidden`); the tokens (..., Bk-1)
+        are the drafts for positions anchor+1 .. anchor+Bk-1."""
+        if self.candidate_selector is None:
+            raise ValueError(f"dflash2_walk: a method: {self.config.method} draft has no "
+                             "candidate selector")
+        return selector_walk(self.candidate_selector, unary_logits, self.norm(hidden),
+                             anchor_ids, temperature, generator, noise)
+
     def walk(
         self,
         pre_injection: torch.Tensor,
@@ -539,7 +580,10 @@ class DSpineDraftModel(DSpinePreTrainedModel):
 
     @property
     def num_candidates(self) -> int:
-        """K: the candidates per slot a sampling walk draws among (the last axis of q)."""
+        """K: the candidates per slot a sampling walk draws among (the last axis of q): DFlash2's
+        `selector_top_k`, else `candidate_k`."""
+        if self.candidate_selector is not None:
+            return int(self.config.selector_top_k)
         return int(self.config.candidate_k)
 
     def new_context_cache(
@@ -624,9 +668,10 @@ class DSpineDraftModel(DSpinePreTrainedModel):
     ) -> DraftProposal:
         """Draft one block per sequence after its committed context; anchor_ids (B,).
 
-        P = `config.num_predictions` tokens: Bk-1 (DSpine, DFlash: `walk`), or Bk for a DSpark
-        draft, decoded left to right by its Markov head (`dspark_walk`), each slot's q the
-        softmax it drew from given the token drafted before it. `kv_len` bounds the context
+        P = `config.num_predictions` tokens: Bk-1 (DSpine, DFlash: `walk`; DFlash2: its
+        candidate selector's left-to-right walk, `dflash2_walk`), or Bk for a DSpark draft,
+        decoded left to right by its Markov head (`dspark_walk`); a left-to-right walk's q is
+        the softmax each slot drew from given the token drafted before it. `kv_len` bounds the context
         slots attended to (see `draft_forward`). Sampling as in `walk`: `noise (B, P, K)` makes
         it a pure function of tensors (the engine's compiled, captured sampling step).
         """
@@ -638,6 +683,10 @@ class DSpineDraftModel(DSpinePreTrainedModel):
             return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
         if self.config.anchor_predicts:
             result = self.dspark_walk(slot_logits, anchor_ids, temperature, generator, noise)
+            return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
+        if self.candidate_selector is not None:
+            result = self.dflash2_walk(slot_logits, pre[:, 1:], anchor_ids, temperature,
+                                       generator, noise)
             return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
         result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator, noise)
         return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
