@@ -107,9 +107,10 @@ class DSpineConfig(PreTrainedConfig):
         block_size: block length B (slot 0 is the anchor, slots 1..B-1 are drafted; with
             `method: dspark` every slot drafts, slot k predicting token a+k+1).
         mask_token_id: an unused vocabulary id that fills slots 1..B-1 of the block input.
-        method: "dspine", "dflash" (the reference DFlash network) or "dspark" (DeepSpec's
+        method: "dspine", "dflash" (the reference DFlash network), "dspark" (DeepSpec's
             DSpark: the DFlash backbone whose anchor slot predicts too, plus the Markov and
-            confidence heads). `METHOD_PRESETS` gives each method's `injection`,
+            confidence heads) or "domino" (SpecForge's Domino: the DFlash backbone plus a GRU
+            logit correction, `domino_head.py`). `METHOD_PRESETS` gives each method's `injection`,
             `block_attention`, `transition_cache`, `refine_weight`, `alignment_weight`,
             `token_ce_intermediate` and DSpark head settings; a method refuses another value
             for the fields it fixes (`METHOD_FREE_FIELDS`: those it leaves open). These fields
