@@ -13,6 +13,7 @@ from transformers import Qwen2Config
 
 from dspine_train.modeling import DSpineConfig, DSpineDraftModel
 from dspine_train.training.config import ModelConfig, TrainConfig, compose_train_config
+from dspine_train.training.errors import TrainingError
 from dspine_train.training.inputs import check_inputs
 from dspine_train.training.memory_plan.for_recipe import memory_plan_for, plan_draft_config
 from dspine_train.training.tiny_assets import tiny_target_config
@@ -130,7 +131,11 @@ def test_no_recipe_restates_a_dspine_default(recipe: str, tmp_path: Path, tiny_a
     restated = []
     for name in config.model.draft_overrides():
         without = dataclasses.replace(config, model=dataclasses.replace(config.model, **{name: None}))
-        if plan_draft_config(without).to_dict() == draft:
+        try:
+            unchanged = plan_draft_config(without).to_dict() == draft
+        except (ValueError, TrainingError):  # the others need it (Domino's fields its method)
+            unchanged = False
+        if unchanged:
             restated.append(f"model.{name}")
     assert not restated, f"recipe {recipe} restates DSpineConfig defaults: {restated}"
 
