@@ -51,3 +51,25 @@ def test_the_memory_plan_counts_domino_heads_and_its_block_of_b_predictions() ->
                                                   "model.domino_prefix_len=null",
                                                   "model.domino_shift_label=null"))
     assert domino.total_bytes > dflash.total_bytes
+
+
+def test_the_memory_plan_counts_the_real_domino_drafts_parameters() -> None:
+    import torch
+
+    from dspine_train.training.memory_plan.parameters import (
+        draft_parameter_counts,
+        method_fields_of,
+    )
+    from tests.test_memory_plan import M, N, R, _real_draft, tiny_config
+
+    for shift in (False, True):
+        draft = _real_draft(N, method="domino", domino_gru_hidden_dim=24, domino_emb_dim=12,
+                            domino_shift_label=shift)
+        counts = draft_parameter_counts(
+            tiny_config(), draft_num_layers=N, transfer_dim=R, message_size=M,
+            num_context_layers=draft.config.num_context_layers,
+            method_fields=method_fields_of(draft.config))
+        assert sum(counts.values()) == sum(p.numel() for p in draft.parameters())
+        gru_mlp = [draft.prefix_gru, draft.embed_proj]
+        assert counts["method_heads"] == sum(p.numel() for m in gru_mlp for p in m.parameters())
+        assert torch.device("meta") == draft.fc.weight.device

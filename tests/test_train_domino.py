@@ -113,3 +113,23 @@ def test_domino_export_reloads_bit_identically(domino_run: Path) -> None:
     config = json.loads((export / "config.json").read_text())
     assert config["model_type"] == "dspine" and config["method"] == "domino"
     assert config["domino_gru_hidden_dim"] == 32 and config["domino_emb_dim"] == 16
+
+
+def test_the_published_preset_trains_with_shifted_labels(tiny_assets, tmp_path) -> None:
+    """preset=domino_published on the tiny recipe: the anchor slot predicts too (B drafts a
+    block, tau up to B + 1) with a pure-draft prefix of 1; the export says so."""
+    out = tmp_path / "run"
+    check_ok(run_train(tiny_overrides(tiny_assets, out, "preset=domino_published",
+                                      "model.block_size=8", "model.domino_gru_hidden_dim=32",
+                                      "model.domino_emb_dim=16", "optim.max_steps=4",
+                                      "eval.every=2"), timeout=TIMEOUT))
+    evals = [r for r in read_metrics(out) if "eval/tau" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        assert 1.0 <= r["eval/tau"] <= BLOCK + 1
+        assert f"eval/accept_pos{BLOCK}" in r
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["lambda_base"] for r in rows] == pytest.approx([1.0, 0.75, 0.5, 0.25])
+    draft = DSpineDraftModel.from_pretrained(out / "final")
+    assert draft.config.domino_shift_label and draft.config.domino_prefix_len == 1
+    assert draft.config.num_predictions == BLOCK

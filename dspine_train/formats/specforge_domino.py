@@ -1,7 +1,8 @@
 """SpecForge's Domino checkpoint format (`sgl-project/SpecForge`, `DominoDraftModel`).
 
 What was read from SpecForge's `specforge/modeling/draft/domino.py`, `dflash.py` and
-`configs/qwen3-8b-domino.json` (SGLang serves these under `--speculative-algorithm DFLASH`):
+`configs/qwen3-8b-domino.json` (SGLang runs these under `--speculative-algorithm DFLASH`; not
+run here):
 
 **config.json.** A Qwen3 config (`model_type: qwen3`; width, heads, `head_dim`, MLP width, RoPE,
 norm epsilon, `num_hidden_layers` = draft layers, full-attention `layer_types`),

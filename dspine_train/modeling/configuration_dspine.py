@@ -109,8 +109,10 @@ class DSpineConfig(PreTrainedConfig):
         mask_token_id: an unused vocabulary id that fills slots 1..B-1 of the block input.
         method: "dspine", "dflash" (the reference DFlash network), "dspark" (DeepSpec's
             DSpark: the DFlash backbone whose anchor slot predicts too, plus the Markov and
-            confidence heads) or "dflash2" (z-lab's DFlash2: DFlash's layout with grouped
-            dynamic causal convolutions in every layer and a candidate selector). `METHOD_PRESETS` gives each method's `injection`,
+            confidence heads), "domino" (SpecForge's Domino: the DFlash backbone plus a GRU
+            logit correction, `domino_head.py`) or "dflash2" (z-lab's DFlash2: DFlash's layout
+            with grouped dynamic causal convolutions in every layer and a candidate selector).
+            `METHOD_PRESETS` gives each method's `injection`,
             `block_attention`, `transition_cache`, `refine_weight`, `alignment_weight`,
             `token_ce_intermediate` and DSpark head settings; a method refuses another value
             for the fields it fixes (`METHOD_FREE_FIELDS`: those it leaves open). These fields

@@ -73,7 +73,7 @@ BlockAttention = StrEnum(
 
 
 # The draft's method, from `DSpineConfig.method`'s Literal: "dspine", "dflash" (the reference
-# DFlash draft), "dspark" or "dflash2" (see `METHOD_PRESETS` for the fields each fixes).
+# DFlash draft), "dspark", "domino" or "dflash2" (see `METHOD_PRESETS` for the fields each fixes).
 DraftMethod = StrEnum(
     "DraftMethod",
     {value: value for value in _literal_values("method")},
