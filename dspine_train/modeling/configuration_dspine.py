@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 from huggingface_hub.dataclasses import type_validator
 from transformers import PreTrainedConfig
 
+from .config_checks import check_settings
 from .mask_token import check_mask_token, pick_mask_token_id
 from .method_presets import (
     ANCHOR_PREDICTING_METHODS,
@@ -397,7 +398,7 @@ class DSpineConfig(PreTrainedConfig):
                 value = list(value)
                 setattr(self, name, value)
             if _is_choice(kind):
-                continue  # the value checks (`apply_method`, `_check_settings`) name the choices
+                continue  # the value checks (`apply_method`, `config_checks.check_settings`) name the choices
             try:
                 type_validator(name, value, kind)
             except TypeError:
@@ -500,97 +501,7 @@ class DSpineConfig(PreTrainedConfig):
             raise ValueError(f"loss_gamma must be > 0, got {self.loss_gamma}")
         if not 0.0 <= self.ce_weight <= 1.0:
             raise ValueError(f"ce_weight must be in [0, 1], got {self.ce_weight}")
-        self._check_settings()
-
-    def _check_settings(self) -> None:
-        """The curriculum, alignment and refinement settings (METHOD 2.2, 2.3)."""
-        if self.replacement_layers < 0:
-            raise ValueError(f"replacement_layers must be >= 0, got {self.replacement_layers}")
-        if not 0.0 <= self.replacement_probability <= 1.0:
-            raise ValueError("replacement_probability must be in [0, 1], got "
-                             f"{self.replacement_probability}")
-        if not 0.0 <= self.replacement_hold_ratio < self.replacement_end_ratio <= 1.0:
-            raise ValueError(
-                "replacement_hold_ratio and replacement_end_ratio must satisfy 0 <= hold < end "
-                f"<= 1, got {self.replacement_hold_ratio} and {self.replacement_end_ratio}")
-        if self.alignment_warmup_steps < 0:
-            raise ValueError(
-                f"alignment_warmup_steps must be >= 0, got {self.alignment_warmup_steps}")
-        choices = {"readout_init": ("whitened", "directions"),
-                   "alignment_layer_reduction": ("sum", "mean"),
-                   "refine_normalization": ("covered", "supervised")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {list(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
-        self._check_dspark()
-        self._check_domino()
-        self._check_dflash2()
-
-    def _check_dflash2(self) -> None:
-        """DFlash2's settings: every one >= 1, the hidden size split into whole groups, the
-        kernel inside a block, the candidates inside the vocabulary, the whole vocabulary."""
-        if self.selector_weight < 0:
-            raise ValueError(f"selector_weight must be >= 0, got {self.selector_weight}")
-        if self.method != "dflash2":
-            return
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 for method: dflash2, got "
-                                 f"{getattr(self, name)}")
-        if self.hidden_size % self.conv_group_size:
-            raise ValueError(f"conv_group_size ({self.conv_group_size}) must divide hidden_size "
-                             f"({self.hidden_size})")
-        if self.conv_kernel_size > self.block_size:
-            raise ValueError(f"conv_kernel_size ({self.conv_kernel_size}) cannot exceed "
-                             f"block_size ({self.block_size})")
-        if self.selector_top_k > self.vocab_size:
-            raise ValueError(f"selector_top_k ({self.selector_top_k}) cannot exceed vocab_size "
-                             f"({self.vocab_size})")
-        if self.draft_vocab_size is not None:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: dflash2 scores "
-                             "the target's whole vocabulary (as speculators' DFlash2 requires)")
-
-    def _check_dspark(self) -> None:
-        """DSpark's head settings: a rank >= 0, the implemented head variant, a
-        confidence head that reads the Markov embedding only where there is one."""
-        if self.confidence_weight < 0:
-            raise ValueError(f"confidence_weight must be >= 0, got {self.confidence_weight}")
-        if self.markov_rank < 0:
-            raise ValueError(f"markov_rank must be >= 0 (0: no Markov head), got {self.markov_rank}")
-        if self.markov_head_type != "vanilla":
-            raise ValueError(
-                f"markov_head_type must be 'vanilla', got {self.markov_head_type!r}: the "
-                "first-order head is the one implemented here and the one vLLM serves "
-                "('gated' and 'rnn' are speculators' training variants)")
-        if self.confidence_head_with_markov and not self.enable_confidence_head:
-            raise ValueError("confidence_head_with_markov=True needs enable_confidence_head=True")
-        if self.confidence_head_with_markov and self.markov_rank == 0:
-            raise ValueError("confidence_head_with_markov=True needs markov_rank > 0 (the head "
-                             "reads the Markov embedding of the previous token)")
-        if self.method == "dspark" and self.draft_vocab_size is not None:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: dspark scores "
-                             "the target's whole vocabulary (a pruned DSpark is not implemented)")
-
-    def _check_domino(self) -> None:
-        """Domino's settings: positive widths, a pure-draft prefix inside the block, a schedule
-        in [0, 1], the whole vocabulary."""
-        if self.method != DOMINO_METHOD:
-            return
-        for name in ("domino_emb_dim", "domino_gru_hidden_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 for method: domino, got {getattr(self, name)}")
-        if not 0 <= self.domino_prefix_len < self.num_predictions:
-            raise ValueError(f"domino_prefix_len must be in 0..{self.num_predictions - 1} (the "
-                             f"block's drafted tokens), got {self.domino_prefix_len}")
-        if not 0.0 <= self.domino_lambda_start <= 1.0:
-            raise ValueError(f"domino_lambda_start must be in [0, 1], got {self.domino_lambda_start}")
-        if not 0.0 < self.domino_lambda_decay_ratio <= 1.0:
-            raise ValueError("domino_lambda_decay_ratio must be in (0, 1], got "
-                             f"{self.domino_lambda_decay_ratio}")
-        if self.draft_vocab_size is not None:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: domino scores "
-                             "the target's whole vocabulary (its embed_proj outputs V logits)")
+        check_settings(self)
 
     def validate_for_target(self, target_config: PreTrainedConfig, tokenizer: Any = None) -> None:
         """Check that this draft fits `target_config` (and its tokenizer); `ValueError` names the field."""
