@@ -6,12 +6,14 @@
 format) load: only a draft trained with `method: dflash` can be written so. `--format dspine`
 writes this project's own export (which also carries the DFlash keys, under its own
 `architectures` name). `--format specforge` writes SpecForge's `DSpineDraftModel` checkpoint (a
-DSpine draft only). `--format speculators` writes vLLM's own format (what the `speculators`
-package writes; `vllm serve OUT_DIR` detects it) for a DFlash or a DSpark (`method: dspark`)
-draft; it names the target model, `--verifier` or by default the path the draft was trained
-against. `--format deepspec` writes DeepSpec's own DSpark checkpoint (`Qwen3DSparkModel`, which
-vLLM serves natively; a `method: dspark` draft only). SRC_DIR may be a dspine, dflash,
-specforge or deepspec export, or a speculators DSpark one. OUT_DIR is built beside itself and swapped in whole; it must
+DSpine draft), or its `DominoDraftModel` checkpoint for a `method: domino` draft (SGLang serves
+it under DFLASH). `--format speculators` writes vLLM's own format (what the `speculators`
+package writes; `vllm serve OUT_DIR` detects it) for a DFlash, a DSpark (`method: dspark`) or a
+DFlash2 (`method: dflash2`) draft; it names the target model, `--verifier` or by default the path
+the draft was trained against. `--format deepspec` writes DeepSpec's own DSpark checkpoint
+(`Qwen3DSparkModel`, which vLLM serves natively; a `method: dspark` draft only). SRC_DIR may be a
+dspine, dflash, specforge (DSpine or Domino) or deepspec export, or a speculators DSpark or DFlash2
+one. OUT_DIR is built beside itself and swapped in whole; it must
 be new, empty or an export (it is never a target model, a dataset, or a directory overlapping
 SRC_DIR), and is locked for the run. A bad argument, an unconvertible draft, a refused OUT_DIR
 or one in use by another export is reported in one line, exit status 2; a failed write (a full
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="the directory to write")
     parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt",
                         help="dflash: DFlashDraftModel's format; dspine: this project's own; "
-                             "specforge: SpecForge's DSpineDraftModel; "
+                             "specforge: SpecForge's DSpineDraftModel (DominoDraftModel for a "
+                             "domino draft); "
                              "speculators: vLLM's (the speculators package's); "
                              "deepspec: DeepSpec's DSpark (Qwen3DSparkModel)")
     parser.add_argument("--verifier", default=None,

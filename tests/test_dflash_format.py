@@ -107,6 +107,8 @@ def test_recipe_method_is_one_setting():
     assert config.export.format == "dflash"
     with pytest.raises(ConfigError, match=r"DSpark draft's anchor slot .* --format speculators"):
         compose_train_config("recipe=tiny", "export.format=dflash", "model.method=dspark")
+    with pytest.raises(ConfigError, match=r"DFlash2 draft's convolutions .* --format speculators"):
+        compose_train_config("recipe=tiny", "export.format=dflash", "model.method=dflash2")
 
 
 # ----------------------------------------------------------------------------- export

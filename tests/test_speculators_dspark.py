@@ -291,7 +291,7 @@ def test_config_round_trips(tmp_path):
     ({"method": "dspark", "markov_rank": 8.0}, r"markov_rank must be an integer or null"),
     ({"method": "dspark", "enable_confidence_head": "yes"}, r"enable_confidence_head must be"),
     ({"method": "dspark", "draft_vocab_size": 32}, r"draft_vocab_size=32: method: dspark"),
-    ({"method": "spark"}, r"method must be one of \['dflash', 'dspark', 'dspine'\]"),
+    ({"method": "spark"}, r"method must be one of \['dflash', 'dflash2', 'domino', 'dspark', 'dspine'\]"),
 ])
 def test_bad_settings_are_refused_by_name(settings, message):
     fields = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

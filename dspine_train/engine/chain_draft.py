@@ -7,9 +7,12 @@ CUDA-graph-captured on CUDA, like every engine step). The token tree's draft liv
 
 A block proposes `draft_predictions` tokens: block_size - 1 for DSpine and DFlash (the anchor
 slot is the given token), block_size for DSpark, whose anchor slot predicts too and whose Markov
-head decodes the block left to right (`DSpineDraftModel.propose`). Either way a proposal is
+head decodes the block left to right (`DSpineDraftModel.propose`). A Domino draft's GRU decodes
+its block left to right too (block_size - 1 tokens, or block_size with `domino_shift_label`). Either way a proposal is
 tokens `(B, P)` and, when sampling, each slot's q over its candidates, drawn given the tokens
-drafted before it: what the chain's rejection sampling needs.
+drafted before it: what the chain's rejection sampling needs. A DFlash2 block proposes
+block_size - 1 tokens, decoded left to right by its candidate selector over each slot's top
+`selector_top_k`: its q is the selector's softmax given the token drafted before the slot.
 """
 
 from __future__ import annotations
@@ -22,11 +25,25 @@ import torch
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.sampling import Sampler
 from dspine_train.modeling.exponential_race import exponential_noise
+from dspine_train.modeling.method_presets import SERIAL_HEAD_METHODS
+
+# What decodes each chain-only method's block left to right (named in the engine's refusals).
+SERIAL_HEADS = {"dspark": "DSpark's Markov head", "domino": "Domino's GRU",
+                "dflash2": "DFlash2's candidate selector"}
 
 
-def is_dspark(draft: Any | None) -> bool:
-    """Whether `draft` is a `method: dspark` draft (its anchor slot predicts too)."""
-    return draft is not None and bool(getattr(draft.config, "anchor_predicts", False))
+def serial_head(draft: Any | None) -> str | None:
+    """The head that decodes `draft`'s block left to right (`method: dspark`, `domino` or
+    `dflash2`, or any draft whose anchor slot predicts), or None: such a draft proposes one path
+    and is served as a chain only (no token trees, no n-gram hybrid)."""
+    if draft is None:
+        return None
+    method = getattr(draft.config, "method", None)
+    if method in SERIAL_HEAD_METHODS:
+        return SERIAL_HEADS.get(method, f"the {method} head")
+    if getattr(draft.config, "anchor_predicts", False):
+        return "its head"
+    return None
 
 
 def draft_predictions(config: Any) -> int:

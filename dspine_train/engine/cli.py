@@ -100,7 +100,7 @@ def add_round_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="draft tokens verified per round (default: the block's predictions, "
-        "block_size - 1, or block_size for a dspark draft)",
+        "block_size - 1, or block_size for a dspark draft or a shift-label domino draft)",
     )
     parser.add_argument("--ar", action="store_true", help="plain decoding even with a draft")
     parser.add_argument(

@@ -42,7 +42,11 @@ from typing import Any
 import torch
 
 from dspine_train.chat_template import KWARGS_KEY, template_mismatch
-from dspine_train.engine.chain_draft import ChainDrafter, draft_predictions, is_dspark
+from dspine_train.engine.chain_draft import (
+    ChainDrafter,
+    draft_predictions,
+    serial_head,
+)
 from dspine_train.engine.cuda_graphs import StepCache
 from dspine_train.engine.decode_loop import (
     GenerationResult,
@@ -89,7 +93,9 @@ class Engine:
     traces the steps without generating kernels).
 
     A DSpark draft (`method: dspark`) drafts `block_size` tokens a block (`num_predictions`),
-    served as a chain only: `tree_paths` > 1 and `ngram` with it are refused by name.
+    served as a chain only: `tree_paths` > 1 and `ngram` with it are refused by name. A DFlash2
+    draft (`method: dflash2`) drafts `block_size - 1`, decoded by its candidate selector, and is
+    served as a chain only too.
 
     `tree_paths` M > 1 verifies a token tree per round instead of the chain (see
     `engine.tree_verify`; lossless when greedy and when sampling): the top-M paths through the
@@ -315,7 +321,8 @@ class Engine:
         if not 1 <= g <= top:
             raise GenerationInputError(
                 f"num_draft_tokens={g} must be in 1..{top} (the draft's predictions per block: "
-                "block_size - 1, or block_size for a method: dspark draft)"
+                "block_size - 1, or block_size for a method: dspark draft or a domino draft "
+                "with domino_shift_label)"
             )
         return g
 
@@ -328,11 +335,12 @@ class Engine:
             )
         if paths > 1 and self.draft is None:
             raise GenerationInputError("tree_paths > 1 needs a draft")
-        if paths > 1 and is_dspark(self.draft):
+        head = serial_head(self.draft)
+        if paths > 1 and head is not None:
             raise GenerationInputError(
-                f"tree_paths={paths} (CLI: --tree-paths): a method: dspark draft is served as a "
-                "chain only (its Markov head decodes one path left to right; token trees are "
-                "built from DSpine's transition lattice); use tree_paths=1")
+                f"tree_paths={paths} (CLI: --tree-paths): a method: {self.draft.config.method} "
+                f"draft is served as a chain only ({head} decodes one path left to right; token "
+                "trees are built from DSpine's transition lattice); use tree_paths=1")
         if paths == 1 and nodes is not None:  # a chain has no tree to size: not ignored
             raise GenerationInputError(
                 f"tree_nodes={nodes} (CLI: --tree-nodes) sizes a token tree and needs "
@@ -342,11 +350,12 @@ class Engine:
     def configure_ngram(self, ngram: NgramConfig | None, adaptive: bool = False) -> None:
         """N-gram candidates (None: none) and whether round shapes are chosen by measured cost,
         for the calls from now on."""
-        if ngram is not None and is_dspark(self.draft):
+        head = serial_head(self.draft)
+        if ngram is not None and head is not None:
             raise GenerationInputError(
-                "ngram (CLI: --ngram) with a method: dspark draft: the hybrid rounds merge the "
-                "n-gram branch into a token tree, which a DSpark draft does not propose; serve "
-                "it without --ngram (or the n-gram mode without a draft)")
+                f"ngram (CLI: --ngram) with a method: {self.draft.config.method} draft: the "
+                f"hybrid rounds merge the n-gram branch into a token tree, which {head} does not "
+                "propose; serve it without --ngram (or the n-gram mode without a draft)")
         self.ngram, self.adaptive = ngram, bool(adaptive)
         self._costs.clear()  # measured for other shapes
         # What the proposals scored in earlier calls (`round_planner.PlannerMemory`).

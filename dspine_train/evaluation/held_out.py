@@ -2,7 +2,10 @@
 
 For a block anchored at a, the draft proposes d_1..d_{B-1} with the real decode (`draft.walk`,
 transition cache included) from the training forward (no replacement); a DSpark draft proposes
-d_1..d_B with its Markov head's left-to-right walk (`draft.dspark_walk`), as it is served. The
+d_1..d_B with its Markov head's left-to-right walk (`draft.dspark_walk`), a Domino draft
+d_1..d_{B-1} (or d_1..d_B with shifted labels) with its GRU's walk (`draft.domino_walk`), and a
+DFlash2 draft d_1..d_{B-1} with its candidate selector's walk (`draft.dflash2_walk`), as they are
+served. The
 target's greedy token for position a+k is g_k = argmax p_target(. | x_{<a+k}). Slot k is
 accepted when every slot j <= k has d_j == g_j *and* the data token x_{a+j} == g_j: the prefix
 is then one the target itself would have produced greedily, so the verification is exactly what

@@ -14,7 +14,8 @@
 * `speculators` (`speculators.py`): vLLM's own format as the `speculators` package writes it
   (`speculators_model_type: dflash`, the verifier named in `speculators_config`) for DFlash
   drafts, written, not read; and (`speculators_dspark.py`, `speculators_model_type: dspark`) for
-  DSpark drafts (`method: dspark`), written and read.
+  DSpark drafts (`method: dspark`), written and read; and (`speculators_dflash2.py`,
+  `speculators_model_type: dflash2`) for DFlash2 drafts (`method: dflash2`), written and read.
 * `deepspec` (`deepspec.py`): DeepSpec's own DSpark checkpoint (`architectures:
   ["Qwen3DSparkModel"]`, which vLLM serves natively; published DSpark drafts are in it);
   DSpark drafts only, written and read.
@@ -23,7 +24,8 @@
 `write_format` writes a draft into a directory being built (the trainer's export);
 `load_draft` reads the dspine, dflash, specforge, deepspec and speculators-DSpark formats into a
 `DSpineDraftModel` (a DFlash checkpoint becomes a `method: dflash` draft, a DSpark one a
-`method: dspark` draft). Further formats go beside these.
+`method: dspark` draft, a DFlash2 one a `method: dflash2` draft). Further formats go beside
+these.
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ from ..checkpoint_io import build_dir, clean_dead_builds, replace_dir, write_jso
 from ..modeling import DSpineConfig, DSpineDraftModel
 from ..output_lock import lock_output
 from ..owned_dir import OwnedDirError, check_no_overlap, check_replaceable, write_marker
-from . import deepspec, dflash, specforge, speculators, speculators_dspark
+from . import (
+    deepspec,
+    dflash,
+    specforge,
+    specforge_domino,
+    speculators,
+    speculators_dflash2,
+    speculators_dspark,
+)
 from .dflash import FormatError
 
 FORMATS = ("dspine", "dflash", "specforge", "speculators", "deepspec")
@@ -81,6 +91,7 @@ def is_draft_export(directory: Path) -> bool:
     return isinstance(fields, dict) and (
         fields.get("model_type") == DSpineConfig.model_type or dflash.is_dflash_config(fields)
         or specforge.is_specforge_config(fields) or speculators.is_speculators_config(fields)
+        or specforge_domino.is_domino_config(fields)
         or deepspec.is_deepspec_config(fields))
 
 
@@ -120,6 +131,14 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
             f"{source}: a pruned-vocabulary draft (draft_vocab_size="
             f"{draft.config.draft_vocab_size}, its d2t map) cannot be exported with --format "
             f"{fmt}: that format has no draft-to-target id map; export it with --format dspine")
+    if fmt == "specforge" and draft.config.method == "domino":
+        specforge_domino.check_exportable(draft.config, source)
+        tensors = specforge_domino.state_dict(state)
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json_atomic(directory / "config.json",
+                          specforge_domino.config_dict(draft.config, tensors["fc.weight"].dtype),
+                          indent=2, sort_keys=True)
+        return
     if fmt == "specforge":
         specforge.check_exportable(draft.config, source)
         tensors = specforge.state_dict(state)
@@ -137,15 +156,24 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
                           indent=2, sort_keys=True)
         return
     dspark = fmt == "speculators" and draft.config.method == "dspark"
+    dflash2 = fmt == "speculators" and draft.config.method == "dflash2"
     check_exportable(draft.config, source, fmt)  # refused before anything is written
     if fmt == "speculators":  # and the verifier checked
         target = speculators.verifier_block(draft.config, verifier, source)
-    # the same backbone tensors in every DFlash-family format; a DSpark's heads beside them
-    tensors = speculators_dspark.state_dict(state) if dspark else dflash.state_dict(state)
+    # the same backbone tensors in every DFlash-family format; a DSpark's heads or a DFlash2's
+    # selector beside them
+    if dspark:
+        tensors = speculators_dspark.state_dict(state)
+    elif dflash2:
+        tensors = speculators_dflash2.state_dict(state)
+    else:
+        tensors = dflash.state_dict(state)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     dtype = tensors["fc.weight"].dtype
     if dspark:
         fields = speculators_dspark.config_dict(draft.config, dtype, target)
+    elif dflash2:
+        fields = speculators_dflash2.config_dict(draft.config, dtype, target)
     elif fmt == "speculators":
         fields = speculators.config_dict(draft.config, dtype, target)
     else:
@@ -155,12 +183,14 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
 
 def check_exportable(config: DSpineConfig, source: str, fmt: str) -> None:
     """`FormatError` unless a draft with `config` can be written in `fmt`, one of the DFlash
-    family's formats ("dflash", "speculators", "deepspec"; the speculators format takes DFlash
-    and DSpark drafts, deepspec DSpark drafts)."""
+    family's formats ("dflash", "speculators", "deepspec"; the speculators format takes DFlash,
+    DSpark and DFlash2 drafts, deepspec DSpark drafts)."""
     if fmt == "deepspec":
         deepspec.check_exportable(config, source)
     elif fmt == "speculators" and config.method == "dspark":
         speculators_dspark.check_exportable(config, source)
+    elif fmt == "speculators" and config.method == "dflash2":
+        speculators_dflash2.check_exportable(config, source)
     elif fmt == "speculators":
         speculators.check_exportable(config, source)
     else:
@@ -183,20 +213,35 @@ def import_dflash(directory: str | Path) -> DSpineDraftModel:
     return draft.to(dtype).eval()
 
 
+def import_domino(directory: str | Path) -> DSpineDraftModel:
+    """A SpecForge Domino checkpoint as a `method: domino` `DSpineDraftModel` (the same network);
+    every backbone and head tensor must be present with its shape, and nothing else."""
+    directory = Path(directory)
+    config = specforge_domino.config_from_dict(dflash.read_config(directory), str(directory))
+    draft = DSpineDraftModel(config)
+    tensors = specforge_domino.read_tensors(str(directory), draft.state_dict())
+    dtype = tensors["fc.weight"].dtype
+    draft.load_state_dict(tensors, strict=False)
+    draft.config._name_or_path = str(directory)
+    return draft.to(dtype).eval()
+
+
 def readable_format(fields: dict[str, Any], source: str | Path) -> str:
-    """Which format a draft's `config.json` dict is in, of those read here: "specforge",
-    "deepspec", "speculators" (a DSpark draft), "dflash" or "dspine". A speculators-format
-    DFlash draft is refused (`FormatError`)."""
+    """Which format a draft's `config.json` dict is in, of those read here: "specforge"
+    (SpecForge's DSpine), "specforge-domino", "deepspec", "speculators" (a DSpark or DFlash2
+    draft), "dflash" or "dspine". A speculators-format DFlash draft is refused (`FormatError`)."""
+    if specforge_domino.is_domino_config(fields):  # it has a dflash_config too: checked first
+        return "specforge-domino"
     if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
         return "specforge"
     if deepspec.is_deepspec_config(fields):
         return "deepspec"
-    if speculators_dspark.is_dspark_config(fields):
+    if speculators_dspark.is_dspark_config(fields) or speculators_dflash2.is_dflash2_config(fields):
         return "speculators"
     if speculators.is_speculators_config(fields):  # its architectures name is DFlash's too
         kind = fields.get("speculators_model_type")
         raise FormatError(f"{source}: a speculators-format draft ({kind}); this project reads the "
-                          "dspine, dflash and specforge formats and speculators' dspark drafts "
+                          "dspine, dflash and specforge formats and speculators' dspark and dflash2 drafts "
                           "(export the draft's source again)")
     return "dflash" if dflash.is_dflash_config(fields) else "dspine"
 
@@ -206,8 +251,12 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
     `method: dflash` draft, a SpecForge one as the DSpine draft it is); strict
     (`DSpineDraftModel.from_pretrained` / `import_dflash` / `specforge.import_specforge`)."""
     fmt = readable_format(dflash.read_config(directory), directory)
+    if fmt == "specforge-domino":
+        return import_domino(directory)
     if fmt == "specforge":
         return specforge.import_specforge(directory)
+    if fmt == "speculators" and speculators_dflash2.is_dflash2_config(dflash.read_config(directory)):
+        return speculators_dflash2.import_dflash2(directory)
     if fmt == "speculators":
         return speculators_dspark.import_dspark(directory)
     if fmt == "deepspec":
@@ -220,7 +269,8 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
 def export_dir(source: str | Path, out: str | Path, fmt: str,
                verifier: str | None = None) -> Path:
     """Write the draft exported at `source` (dspine, dflash, specforge or deepspec format, or a
-    speculators DSpark draft) to `out` in format `fmt` (`verifier`: see `write_format`).
+    speculators DSpark or DFlash2 draft) to `out` in format `fmt` (`verifier`: see
+    `write_format`).
 
     `out` is built beside itself and swapped in whole: it is never half-written, and an
     existing export there is replaced only once the new one is complete. It is locked for the

@@ -78,6 +78,16 @@ def check_exportable(config: DSpineConfig, source: str, fmt: str = "dflash") -> 
             "DFlash loaders would drop its Markov and confidence heads and read its slots one "
             "token early (its anchor slot predicts); export it with --format speculators or "
             "--format dspine")
+    if config.method == "domino":
+        raise FormatError(
+            f"{source}: a Domino draft (method: domino) cannot be exported with --format {fmt}: "
+            "DFlash loaders would drop its GRU and logit-delta MLP; export it with --format "
+            "specforge (SGLang serves it under DFLASH) or --format dspine")
+    if config.method == "dflash2":
+        raise FormatError(
+            f"{source}: a DFlash2 draft (method: dflash2) cannot be exported with --format "
+            f"{fmt}: DFlash loaders would drop its convolutions and candidate selector and run "
+            "another network; export it with --format speculators or --format dspine")
     preset = METHOD_PRESETS["dflash"]
     differ = [f"{name}={getattr(config, name)!r}" for name in NETWORK_FIELDS
               if getattr(config, name) != preset[name]]

@@ -152,7 +152,7 @@ def check_exportable(config: DSpineConfig, source: str) -> None:
     """`FormatError` naming every field of `config` that SpecForge's DSpine cannot represent."""
     problems = []
     if config.method != "dspine":
-        other = "speculators" if config.method == "dspark" else "dflash"
+        other = "speculators" if config.method in ("dspark", "dflash2") else "dflash"
         problems.append(f"method={config.method!r} (use --format {other})")
     for name, needed in (("injection", True), ("transition_cache", True), ("embed_scale", 1.0)):
         if getattr(config, name) != needed:

@@ -85,7 +85,7 @@ def state_dict(draft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- reading
-def _target_depth(fields: dict[str, Any], layer_ids: list[int], source: str) -> int:
+def target_depth(fields: dict[str, Any], layer_ids: list[int], source: str) -> int:
     """The target's depth, from the verifier's `config.json` when it can be read; else the
     least depth the context layers allow (speculators feeds no context feature from the last
     layer), said in a warning (the engine checks the draft against its real target)."""
@@ -148,7 +148,7 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
             method="dspark",
             **dflash.backbone_fields(qwen),
             target_layer_ids=layer_ids,
-            target_num_layers=_target_depth(fields, layer_ids, source),
+            target_num_layers=target_depth(fields, layer_ids, source),
             block_size=fields["block_size"],
             mask_token_id=fields["mask_token_id"],
             target_name_or_path=verifier.get("name_or_path"),

@@ -19,9 +19,11 @@ from typing import Any, ClassVar, Literal
 from huggingface_hub.dataclasses import type_validator
 from transformers import PreTrainedConfig
 
+from .config_checks import check_settings
 from .mask_token import check_mask_token, pick_mask_token_id
 from .method_presets import (
     ANCHOR_PREDICTING_METHODS,
+    DOMINO_METHOD,
     METHOD_FREE_FIELDS,
     METHOD_PRESETS,
 )
@@ -106,9 +108,12 @@ class DSpineConfig(PreTrainedConfig):
         block_size: block length B (slot 0 is the anchor, slots 1..B-1 are drafted; with
             `method: dspark` every slot drafts, slot k predicting token a+k+1).
         mask_token_id: an unused vocabulary id that fills slots 1..B-1 of the block input.
-        method: "dspine", "dflash" (the reference DFlash network) or "dspark" (DeepSpec's
+        method: "dspine", "dflash" (the reference DFlash network), "dspark" (DeepSpec's
             DSpark: the DFlash backbone whose anchor slot predicts too, plus the Markov and
-            confidence heads). `METHOD_PRESETS` gives each method's `injection`,
+            confidence heads), "domino" (SpecForge's Domino: the DFlash backbone plus a GRU
+            logit correction, `domino_head.py`) or "dflash2" (z-lab's DFlash2: DFlash's layout
+            with grouped dynamic causal convolutions in every layer and a candidate selector).
+            `METHOD_PRESETS` gives each method's `injection`,
             `block_attention`, `transition_cache`, `refine_weight`, `alignment_weight`,
             `token_ce_intermediate` and DSpark head settings; a method refuses another value
             for the fields it fixes (`METHOD_FREE_FIELDS`: those it leaves open). These fields
@@ -142,6 +147,20 @@ class DSpineConfig(PreTrainedConfig):
         enable_confidence_head: DSpark's per-slot acceptance predictor Linear(H (+ r), 1).
         confidence_head_with_markov: the confidence head reads [hidden ; W1[previous token]]
             (needs markov_rank > 0) rather than the hidden state alone.
+        domino_emb_dim: `method: domino`: width of the logit-delta MLP `embed_proj`
+            (Linear(H + G, emb_dim), SiLU, Linear(emb_dim, V); SpecForge's `emb_dim`, 256).
+        domino_gru_hidden_dim: G, the hidden size of Domino's GRU over the embeddings of the
+            tokens before each drafted slot (SpecForge's `gru_hidden_dim`, 1024).
+        domino_prefix_len: the first drafted tokens of a block that keep the backbone's logits
+            (no GRU correction; SpecForge's `pure_draft_prefix_len`).
+        domino_shift_label: the anchor slot predicts too (slot k predicts token a+k+1, B drafts a
+            block, as DSpark) instead of same-position labels (SpecForge's `shift_label`).
+        conv_kernel_size: `method: dflash2`: taps of the grouped dynamic causal convolution
+            around each layer's attention and MLP (2); 0 for the other methods.
+        conv_group_size: `method: dflash2`: hidden channels sharing one dynamic kernel (16).
+        selector_rank: `method: dflash2`: rank of the candidate selector (256).
+        selector_top_k: `method: dflash2`: candidates per slot the selector reranks (16); also
+            the K a sampling walk draws among.
     Objective fields (read by `dspine_train.objective`):
         loss_gamma: decay of the per-slot weight `exp(-(k-1)/gamma)`.
         ce_weight: c, share of label CE in the backbone and refinement terms (rest is L1 distill).
@@ -161,6 +180,12 @@ class DSpineConfig(PreTrainedConfig):
             on the candidates.
         confidence_weight: `method: dspark`: weight of the confidence head's BCE against each
             slot's acceptance 1 - ||p_draft - p_target||_1 / 2 (DeepSpec: 1.0).
+        domino_lambda_start, domino_lambda_decay_ratio: `method: domino`: the base-logits CE
+            weight l of `(1 - l) CE(final) + l CE(base)` starts at `domino_lambda_start` and falls
+            linearly to 0 at `domino_lambda_decay_ratio` of training (SpecForge's
+            `lambda_base_start` 1.0 and `lambda_base_decay_ratio` 0.5; its Qwen3-8B run: 1.0).
+        selector_weight: `method: dflash2`: weight of the selector's K-way CE beside the unary
+            KL (speculators' `selector_loss_alpha`: 1.0).
     Target identity (for validation and model cards):
         target_name_or_path, target_model_type, target_vocab_size (tokenizer length).
     """
@@ -186,7 +211,10 @@ class DSpineConfig(PreTrainedConfig):
         "alignment_layer_reduction": "mean", "refine_normalization": "covered",
         "draft_vocab_size": None, "markov_rank": None, "markov_head_type": None,
         "enable_confidence_head": None, "confidence_head_with_markov": None,
-        "confidence_weight": 1.0,
+        "confidence_weight": 1.0, "domino_emb_dim": None, "domino_gru_hidden_dim": None,
+        "domino_prefix_len": None, "domino_shift_label": None, "domino_lambda_start": 1.0,
+        "domino_lambda_decay_ratio": 0.5, "conv_kernel_size": None, "conv_group_size": None,
+        "selector_rank": None, "selector_top_k": None, "selector_weight": 1.0,
     }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
@@ -215,7 +243,7 @@ class DSpineConfig(PreTrainedConfig):
     target_num_layers: int = 36
     block_size: int = 16
     mask_token_id: int | None = None
-    method: Literal["dspine", "dflash", "dspark"] = "dspine"
+    method: Literal["dspine", "dflash", "dspark", "domino", "dflash2"] = "dspine"
     block_attention: Literal["causal", "bidirectional"] | None = None
 
     # DSpine parts (METHOD 2.1-2.4).
@@ -237,6 +265,17 @@ class DSpineConfig(PreTrainedConfig):
     enable_confidence_head: bool | None = None
     confidence_head_with_markov: bool | None = None
 
+    # Domino's GRU logit correction (`domino_head.py`).
+    domino_emb_dim: int | None = None
+    domino_gru_hidden_dim: int | None = None
+    domino_prefix_len: int | None = None
+    domino_shift_label: bool | None = None
+    # DFlash2's convolutions and candidate selector (`dflash2_layers.py`, `candidate_selector.py`).
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+
     # Objective (METHOD 2.3).
     loss_gamma: float = 7.0
     ce_weight: float = 0.1
@@ -249,6 +288,9 @@ class DSpineConfig(PreTrainedConfig):
     token_ce_intermediate: bool | None = None
     distill_mass_threshold: float = 1e-4
     confidence_weight: float = 1.0
+    domino_lambda_start: float = 1.0
+    domino_lambda_decay_ratio: float = 0.5
+    selector_weight: float = 1.0
 
     # Target identity.
     target_name_or_path: str | None = None
@@ -289,6 +331,9 @@ class DSpineConfig(PreTrainedConfig):
         if conflicts:
             what = {"dflash": "the reference DFlash draft",
                     "dspark": "DSpark (the DFlash backbone with its Markov and confidence heads)",
+                    "domino": "Domino (the DFlash backbone with its GRU logit correction)",
+                    "dflash2": "DFlash2 (the DFlash backbone with its convolutions and candidate "
+                               "selector)",
                     "dspine": "DSpine (DSpark's heads belong to method: dspark)"}[self.method]
             raise ValueError(
                 f"method: {self.method} is {what} and fixes these fields; remove them or use "
@@ -299,7 +344,8 @@ class DSpineConfig(PreTrainedConfig):
     def anchor_predicts(self) -> bool:
         """Whether the anchor slot is itself a prediction (DSpark: slot k predicts token a+k+1,
         B predictions per block) rather than the given token (slots 1..B-1 predict a+k)."""
-        return self.method in ANCHOR_PREDICTING_METHODS
+        return self.method in ANCHOR_PREDICTING_METHODS or (
+            self.method == DOMINO_METHOD and bool(self.domino_shift_label))
 
     @property
     def num_predictions(self) -> int:
@@ -352,7 +398,7 @@ class DSpineConfig(PreTrainedConfig):
                 value = list(value)
                 setattr(self, name, value)
             if _is_choice(kind):
-                continue  # the value checks (`apply_method`, `_check_settings`) name the choices
+                continue  # the value checks (`apply_method`, `config_checks.check_settings`) name the choices
             try:
                 type_validator(name, value, kind)
             except TypeError:
@@ -455,51 +501,7 @@ class DSpineConfig(PreTrainedConfig):
             raise ValueError(f"loss_gamma must be > 0, got {self.loss_gamma}")
         if not 0.0 <= self.ce_weight <= 1.0:
             raise ValueError(f"ce_weight must be in [0, 1], got {self.ce_weight}")
-        self._check_settings()
-
-    def _check_settings(self) -> None:
-        """The curriculum, alignment and refinement settings (METHOD 2.2, 2.3)."""
-        if self.replacement_layers < 0:
-            raise ValueError(f"replacement_layers must be >= 0, got {self.replacement_layers}")
-        if not 0.0 <= self.replacement_probability <= 1.0:
-            raise ValueError("replacement_probability must be in [0, 1], got "
-                             f"{self.replacement_probability}")
-        if not 0.0 <= self.replacement_hold_ratio < self.replacement_end_ratio <= 1.0:
-            raise ValueError(
-                "replacement_hold_ratio and replacement_end_ratio must satisfy 0 <= hold < end "
-                f"<= 1, got {self.replacement_hold_ratio} and {self.replacement_end_ratio}")
-        if self.alignment_warmup_steps < 0:
-            raise ValueError(
-                f"alignment_warmup_steps must be >= 0, got {self.alignment_warmup_steps}")
-        choices = {"readout_init": ("whitened", "directions"),
-                   "alignment_layer_reduction": ("sum", "mean"),
-                   "refine_normalization": ("covered", "supervised")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {list(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
-        self._check_dspark()
-
-    def _check_dspark(self) -> None:
-        """DSpark's head settings: a rank >= 0, the implemented head variant, a
-        confidence head that reads the Markov embedding only where there is one."""
-        if self.confidence_weight < 0:
-            raise ValueError(f"confidence_weight must be >= 0, got {self.confidence_weight}")
-        if self.markov_rank < 0:
-            raise ValueError(f"markov_rank must be >= 0 (0: no Markov head), got {self.markov_rank}")
-        if self.markov_head_type != "vanilla":
-            raise ValueError(
-                f"markov_head_type must be 'vanilla', got {self.markov_head_type!r}: the "
-                "first-order head is the one implemented here and the one vLLM serves "
-                "('gated' and 'rnn' are speculators' training variants)")
-        if self.confidence_head_with_markov and not self.enable_confidence_head:
-            raise ValueError("confidence_head_with_markov=True needs enable_confidence_head=True")
-        if self.confidence_head_with_markov and self.markov_rank == 0:
-            raise ValueError("confidence_head_with_markov=True needs markov_rank > 0 (the head "
-                             "reads the Markov embedding of the previous token)")
-        if self.method == "dspark" and self.draft_vocab_size is not None:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: method: dspark scores "
-                             "the target's whole vocabulary (a pruned DSpark is not implemented)")
+        check_settings(self)
 
     def validate_for_target(self, target_config: PreTrainedConfig, tokenizer: Any = None) -> None:
         """Check that this draft fits `target_config` (and its tokenizer); `ValueError` names the field."""

@@ -14,6 +14,7 @@ committed context, which a *context provider* supplies:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -130,8 +131,8 @@ def run_layer_stack(
     out_hidden: list[torch.Tensor] = []
     pre_injection = recv = blocks = None
     for i, layer in enumerate(layers):
-        q, k, v = layer.block_qkv(hidden, cos, sin)
-        hidden = layer.finish(hidden, context.attend(i, layer.self_attn, q, k, v))
+        hidden = layer.forward_block(hidden, cos, sin,
+                                     functools.partial(context.attend, i, layer.self_attn))
         blocks = hidden.view(*anchor_codes.shape[:-1], -1, width)  # (..., Bk, H)
         if i == last:
             pre_injection = blocks

@@ -7,6 +7,8 @@ features of committed positions, projected by this layer's k/v projections) and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,9 @@ from .few_rows import few_rows_linear
 from .sdpa_attention import masked_attention
 
 AttentionMask = torch.Tensor  # dense boolean mask (True = may attend), or a flex BlockMask
+# A layer's context provider: block q (B, heads, Q, D), k/v (B, kv_heads, Q, D) -> the attention
+# output (B, Q, H), through o_proj
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DSpineRMSNorm(nn.Module):
@@ -197,3 +202,10 @@ class DSpineDecoderLayer(nn.Module):
         """Residual attention output (from the layer's context provider), then the residual MLP."""
         hidden = hidden + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_block(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attend: Attend) -> torch.Tensor:
+        """The whole layer on the block slots hidden (B, Q, H): `attend(q, k, v)` (the context
+        provider) gives the attention output. DFlash2's layer wraps its sublayers here."""
+        q, k, v = self.block_qkv(hidden, cos, sin)
+        return self.finish(hidden, attend(q, k, v))

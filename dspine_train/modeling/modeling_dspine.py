@@ -3,9 +3,11 @@
 Parameters (HF-style names): `fc` and `hidden_norm` fuse the target's context features,
 `layers.*` are Qwen3-style decoder layers, `norm` is the final norm, `injection.*` holds the
 readouts, message, gates and writes; a `method: dspark` draft adds `markov_head.*` and
-`confidence_head.*` (`markov_head.py`). The token table codes are a persistent, non-trainable
-buffer. The target's frozen `embed_tokens` / `lm_head` weights are bound with `bind_target` and
-are never parameters of the draft nor part of its checkpoint.
+`confidence_head.*` (`markov_head.py`), a `method: domino` draft `prefix_gru.*` and `embed_proj.*`
+(`domino_head.py`), a `method: dflash2` draft `layers.N.{attention,mlp}_conv.*` and
+`candidate_selector.*` (`dflash2_layers.py`, `candidate_selector.py`). The token table codes are a
+persistent, non-trainable buffer. The target's frozen `embed_tokens` / `lm_head` weights are bound
+with `bind_target` and are never parameters of the draft nor part of its checkpoint.
 """
 
 from __future__ import annotations
@@ -28,19 +30,17 @@ from .attention_masks import (
     flex_training_mask,
     inference_block_mask,
 )
+from .candidate_selector import CandidateSelector
 from .compiled_flex import check_flex_usable
 from .configuration_dspine import DSpineConfig
 from .context_cache import DraftContextCache
+from .dflash2_layers import DFlash2DecoderLayer, GroupedDynamicCausalConv
+from .domino_head import build_domino_head, init_domino_head
 from .injection import AdjacentInjection
 from .layer_stack import CachedContext, ProjectedContext, run_layer_stack
 from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding, vocab_projection
-from .markov_head import (
-    DSparkOutput,
-    build_dspark_heads,
-    dspark_outputs,
-    init_dspark_heads,
-    markov_walk,
-)
+from .markov_head import build_dspark_heads, init_dspark_heads
+from .method_heads import MethodHeads
 from .transition_cache import (
     WalkResult,
     per_slot_decode,
@@ -64,8 +64,10 @@ class DSpineTrainOutput:
         Bk-1 tokens at anchor + k (k = 1..Bk-1), or for DSpark P = Bk tokens at anchor + k + 1
         (k = 0..Bk-1).
     anchor_ids: (B, A) the anchor token of every block.
-    prev_ids: (B, A, Bk) DSpark only: the true token before each slot's target (anchor + k),
-        the Markov head's teacher-forced input (`dspark_block`); None for other methods.
+    prev_ids: (B, A, P) DSpark, Domino and DFlash2 only: the true token before each predicting
+        slot's target (anchor + k for target k + 1), the Markov head's, the GRU's or the
+        candidate selector's teacher-forced input (`dspark_block`, `domino_prev_states`); None
+        for other methods.
     """
 
     hidden: torch.Tensor
@@ -101,7 +103,7 @@ class DSpinePreTrainedModel(PreTrainedModel):
     config: DSpineConfig
     base_model_prefix = "dspine"
     main_input_name = "input_ids"
-    _no_split_modules = ["DSpineDecoderLayer"]
+    _no_split_modules = ["DSpineDecoderLayer", "DFlash2DecoderLayer"]
     _supports_sdpa = True
 
     @torch.no_grad()
@@ -113,6 +115,16 @@ class DSpinePreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, DSpineRMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, GroupedDynamicCausalConv):
+            # the identity (a DFlash layer); Linear's normal init above does not reach it (HF
+            # initialises children first, then this module)
+            identity = torch.zeros_like(module.base_kernel)
+            identity[:, 0] = 1.0
+            init.copy_(module.base_kernel, identity)
+            init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):
+            init.normal_(module.predecessor_codebook, std=std)
+            init.normal_(module.successor_codebook, std=std)
         elif isinstance(module, DSpineRotaryEmbedding):
             inv_freq, _ = module.compute_inv_freq(self.config)
             init.copy_(module.inv_freq, inv_freq)
@@ -126,9 +138,10 @@ class DSpinePreTrainedModel(PreTrainedModel):
             init.zeros_(injection.gate_pred.weight)
             init.zeros_(module.token_codes)
             init_dspark_heads(module.markov_head, module.confidence_head, std)
+            init_domino_head(module.prefix_gru)
 
 
-class DSpineDraftModel(DSpinePreTrainedModel):
+class DSpineDraftModel(MethodHeads, DSpinePreTrainedModel):
     """The DSpine draft network (see the module docstring and `docs/ARCHITECTURE.md`)."""
 
     def __init__(self, config: DSpineConfig) -> None:
@@ -136,12 +149,21 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         n_ctx = config.num_context_layers
         self.fc = nn.Linear(n_ctx * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DSpineRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DSpineDecoderLayer(config) for _ in range(config.num_layers))
+        layer = DFlash2DecoderLayer if config.method == "dflash2" else DSpineDecoderLayer
+        self.layers = nn.ModuleList(layer(config) for _ in range(config.num_layers))
         self.norm = DSpineRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DSpineRotaryEmbedding(config)
         self.injection = AdjacentInjection(config)
         # DSpark's Markov and confidence heads (None for the other methods).
         self.markov_head, self.confidence_head = build_dspark_heads(config)
+        # Domino's GRU and logit-delta MLP (None for the other methods).
+        self.prefix_gru, self.embed_proj = build_domino_head(config)
+        # DFlash2's candidate selector (None for the other methods).
+        self.candidate_selector = None
+        if config.method == "dflash2":
+            self.candidate_selector = CandidateSelector(
+                config.vocab_size, config.hidden_size, config.selector_rank,
+                config.selector_top_k)
         # Token codes T (V, r) of the unified transfer space (METHOD 2.1); saved, never trained.
         self.register_buffer(
             "token_codes", torch.zeros(config.vocab_size, config.transfer_dim), persistent=True
@@ -371,7 +393,8 @@ class DSpineDraftModel(DSpinePreTrainedModel):
         gathered = torch.gather(input_ids, 1, spanned.clamp_max(seq_len - 1).view(bsz, -1))
         gathered = gathered.view(bsz, num_blocks, span)  # (B, A, span) tokens at a+k
         labels = torch.where(in_seq, gathered, torch.full_like(gathered, -100))[..., 1:]
-        prev_ids = gathered[..., :bk] if cfg.anchor_predicts else None  # (B, A, Bk)
+        with_prev = cfg.anchor_predicts or cfg.method in ("domino", "dflash2")
+        prev_ids = gathered[..., :cfg.num_predictions] if with_prev else None  # (B, A, P)
         # the block's own slots
         gathered, positions = gathered[..., :bk], spanned[..., :bk].contiguous()
         anchor_ids = gathered[..., 0]  # (B, A)
@@ -419,38 +442,7 @@ class DSpineDraftModel(DSpinePreTrainedModel):
             prev_ids=prev_ids,
         )
 
-    def dspark_block(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> DSparkOutput:
-        """DSpark's per-slot logits and confidence logits (`markov_head.dspark_outputs`).
-
-        hidden (..., Bk, H) the last layer's output before the final norm (`forward`'s `hidden`,
-        or `draft_forward`'s second output); prev_ids (..., Bk) the token before each slot's
-        target: the anchor, then the true tokens (teacher forcing, `forward`'s `prev_ids`) or
-        the drafted ones. Returns logits (..., Bk, V) with the Markov term added and confidence
-        (..., Bk). Full-vocabulary logits for every slot: the objective chunks its calls.
-        """
-        cfg = self.config
-        if not cfg.anchor_predicts:
-            raise ValueError(f"dspark_block: a method: {cfg.method} draft has no DSpark heads")
-        normed = self.norm(hidden)
-        base = vocab_projection(normed, self.output_head().to(hidden.dtype))
-        return dspark_outputs(normed, base, prev_ids, self.markov_head, self.confidence_head,
-                              cfg.confidence_head_with_markov)
-
     # ------------------------------------------------------------------ decoding
-    def dspark_walk(
-        self,
-        base_logits: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        temperature: float | torch.Tensor = 0.0,
-        generator: torch.Generator | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> WalkResult:
-        """Decode a DSpark block from `draft_forward`'s base logits (..., Bk, V): the Markov
-        head's left-to-right walk (`markov_head.markov_walk`), K = `candidate_k` when sampling.
-        The tokens (..., Bk) are the drafts for positions anchor+1 .. anchor+Bk."""
-        return markov_walk(base_logits, anchor_ids, self.markov_head, self.num_candidates,
-                           temperature, generator, noise)
-
     def walk(
         self,
         pre_injection: torch.Tensor,
@@ -491,7 +483,10 @@ class DSpineDraftModel(DSpinePreTrainedModel):
 
     @property
     def num_candidates(self) -> int:
-        """K: the candidates per slot a sampling walk draws among (the last axis of q)."""
+        """K: the candidates per slot a sampling walk draws among (the last axis of q): DFlash2's
+        `selector_top_k`, else `candidate_k`."""
+        if self.candidate_selector is not None:
+            return int(self.config.selector_top_k)
         return int(self.config.candidate_k)
 
     def new_context_cache(
@@ -576,15 +571,25 @@ class DSpineDraftModel(DSpinePreTrainedModel):
     ) -> DraftProposal:
         """Draft one block per sequence after its committed context; anchor_ids (B,).
 
-        P = `config.num_predictions` tokens: Bk-1 (DSpine, DFlash: `walk`), or Bk for a DSpark
-        draft, decoded left to right by its Markov head (`dspark_walk`), each slot's q the
-        softmax it drew from given the token drafted before it. `kv_len` bounds the context
+        P = `config.num_predictions` tokens: Bk-1 (DSpine, DFlash: `walk`; DFlash2: its
+        candidate selector's left-to-right walk, `dflash2_walk`), or Bk for a DSpark draft,
+        decoded left to right by its Markov head (`dspark_walk`); a left-to-right walk's q is
+        the softmax each slot drew from given the token drafted before it. `kv_len` bounds the context
         slots attended to (see `draft_forward`). Sampling as in `walk`: `noise (B, P, K)` makes
         it a pure function of tensors (the engine's compiled, captured sampling step).
         """
         slot_logits, pre, recv = self.draft_forward(cache, anchor_ids, kv_len)
+        if self.config.method == "domino":  # no injection: `pre` is the last layer's output
+            first = 0 if self.config.anchor_predicts else 1
+            result = self.domino_walk(slot_logits, pre[:, first:], anchor_ids, temperature,
+                                      generator, noise)
+            return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
         if self.config.anchor_predicts:
             result = self.dspark_walk(slot_logits, anchor_ids, temperature, generator, noise)
+            return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
+        if self.candidate_selector is not None:
+            result = self.dflash2_walk(slot_logits, pre[:, 1:], anchor_ids, temperature,
+                                       generator, noise)
             return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)
         result = self.walk(pre, recv, slot_logits, anchor_ids, temperature, generator, noise)
         return DraftProposal(tokens=result.tokens, q=result.q, candidates=result.candidates)

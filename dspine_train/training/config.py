@@ -73,7 +73,7 @@ BlockAttention = StrEnum(
 
 
 # The draft's method, from `DSpineConfig.method`'s Literal: "dspine", "dflash" (the reference
-# DFlash draft) or "dspark" (see `METHOD_PRESETS` for the fields each fixes).
+# DFlash draft), "dspark", "domino" or "dflash2" (see `METHOD_PRESETS` for the fields each fixes).
 DraftMethod = StrEnum(
     "DraftMethod",
     {value: value for value in _literal_values("method")},
@@ -511,6 +511,18 @@ def _check_dflash_export(model: ModelConfig) -> None:
             "predicts and its Markov and confidence heads have no place in the DFlash format) "
             "- use export.format: dspine, then `python -m dspine_train.export` with --format "
             "speculators or deepspec for vLLM and SGLang"
+        )
+    if overrides.get("method") == "domino":
+        raise ConfigError(
+            "export.format: dflash needs model.method: dflash (a Domino draft's GRU and "
+            "logit-delta MLP have no place in the DFlash format) - use export.format: dspine, "
+            "then `python -m dspine_train.export` with --format specforge for SGLang")
+    if overrides.get("method") == "dflash2":
+        raise ConfigError(
+            "export.format: dflash needs model.method: dflash (a DFlash2 draft's convolutions "
+            "and candidate selector have no place in the DFlash format) - use export.format: "
+            "dspine, then `python -m dspine_train.export` with --format speculators for vLLM "
+            "and SGLang"
         )
     dflash = METHOD_PRESETS["dflash"]
     differ = [f"model.{name}" for name in ("injection", "block_attention", "transition_cache")

@@ -6,7 +6,11 @@ norm and the injection writes outside the draft's own forward).
 
 A `method: dspark` draft trains on `dspark_objective.dspark_loss` and is evaluated with its
 served decode, the Markov head's left-to-right walk (`dspark_walk`): B drafts a block, slot j
-predicting token a+j+1. The other methods train on `objective.dspine_loss` and decode with
+predicting token a+j+1. A `method: domino` draft trains on `domino_objective.domino_loss` and
+is evaluated with its served decode, the GRU's left-to-right walk (`domino_walk`). A `method:
+dflash2` draft trains on `dflash2_objective.dflash2_loss` and is evaluated with its candidate
+selector's left-to-right walk (`dflash2_walk`; B-1 drafts, slot k predicting a+k). The other
+methods train on `objective.dspine_loss` and decode with
 `walk` (B-1 drafts, slot k predicting a+k). Both count acceptance with the same rule
 (`block_metrics.accepted_prefix`).
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..dflash2_objective import dflash2_loss
+from ..domino_objective import domino_loss
 from ..dspark_objective import dspark_loss
 from ..evaluation.block_metrics import accepted_prefix, block_counts
 from ..modeling import DSpineDraftModel, DSpineTrainOutput
@@ -62,11 +68,17 @@ class DraftStep(nn.Module):
             return self._acceptance_counts(input_ids, context, final_hidden, loss_mask,
                                            anchors, anchor_mask, eval_chunks)
         out = self.draft(input_ids, context, anchors, anchor_mask, replace_mask)
+        if self.draft.config.method == "domino":  # label CE only: no target distribution
+            return domino_loss(self.draft, out, loss_mask, anchors, anchor_mask, step,
+                               total_steps, chunk_size=self.logits_chunk_size)
         if self.draft.config.anchor_predicts:
             # DSpark's objective reads the target's exact distribution from `final_hidden`
             # (the trainer asks for no top-k for it).
             return dspark_loss(self.draft, out, final_hidden, loss_mask, anchors, anchor_mask,
                                chunk_size=self.logits_chunk_size)
+        if self.draft.config.method == "dflash2":  # the exact distribution too, as speculators
+            return dflash2_loss(self.draft, out, final_hidden, loss_mask, anchors, anchor_mask,
+                                chunk_size=self.logits_chunk_size)
         return dspine_loss(
             self.draft, out, final_hidden, loss_mask, anchors, anchor_mask, step, total_steps,
             chunk_size=self.logits_chunk_size, target_topk=target_topk,
@@ -144,11 +156,17 @@ class DraftStep(nn.Module):
                 anchor_ids: torch.Tensor) -> torch.Tensor:
         """The greedy drafts (n, P) of blocks (b, a) of a training forward, decoded as they
         are served: DSpark's Markov walk over all Bk slots' base logits (`dspark_walk`),
-        otherwise `walk` over slots 1..Bk-1 (the transition cache or each slot's argmax)."""
+        DFlash2's selector walk over slots 1..Bk-1 (`dflash2_walk`), otherwise `walk` over
+        slots 1..Bk-1 (the transition cache or each slot's argmax)."""
         draft = self.draft
+        if draft.config.method == "domino":  # the drafting slots: 1..Bk-1, or 0..Bk-1
+            hidden = out.hidden[b, a, draft.config.block_size - draft.config.num_predictions:]
+            return draft.domino_walk(draft.logits(hidden), hidden, anchor_ids).tokens
         if draft.config.anchor_predicts:
             base_logits = draft.logits(out.hidden[b, a])  # (n, Bk, V), no Markov term yet
             return draft.dspark_walk(base_logits, anchor_ids).tokens
         slot_logits = draft.logits(out.hidden[b, a, 1:])  # (n, Bk-1, V)
+        if draft.config.method == "dflash2":
+            return draft.dflash2_walk(slot_logits, out.hidden[b, a, 1:], anchor_ids).tokens
         return draft.walk(out.pre_injection[b, a], out.recv_features[b, a], slot_logits,
                           anchor_ids).tokens

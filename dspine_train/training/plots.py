@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # headless: training nodes have no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 LOSS_TERMS = ("loss", "backbone_ce", "backbone_l1", "refine_ce", "refine_l1", "alignment",
-              "confidence_bce")
+              "confidence_bce", "backbone_kl", "selector_ce")
 
 
 def plot_training(

@@ -160,8 +160,10 @@ class Trainer:
         # The online target's distillation distribution: its top-k per position (the same form
         # a feature cache stores), unless `data.target_topk: 0` asks for the exact one per slot.
         self.target_head = head
-        # DSpark's objective reads the exact distribution from the final state (as DeepSpec's).
-        self.uses_topk = not inputs.draft_config.anchor_predicts
+        # DSpark's and DFlash2's objectives read the exact distribution from the final state (as
+        # DeepSpec's and speculators' do); Domino's reads none (label CE only).
+        self.uses_topk = not (inputs.draft_config.anchor_predicts
+                              or inputs.draft_config.method in ("domino", "dflash2"))
         self.online_topk = (not self.offline and inputs.draft_config.distill
                             and cfg.data.target_topk > 0 and self.uses_topk)
         default_table = self.output_dir / "token_table.safetensors"
@@ -286,8 +288,11 @@ class Trainer:
         if self.online_topk:
             return (f"top-{self.config.data.target_topk} + remainder, projected once per "
                     "position from the online target")
+        if not self.uses_topk and self.draft_config.method == "domino":
+            return "none (Domino's objective: label CE only)"
         if not self.uses_topk:
-            return "exact, projected through the target's head every step (DSpark's objective)"
+            return (f"exact, projected through the target's head every step "
+                    f"({self.draft_config.method}'s objective)")
         k = self.train_cache.target_topk if self.train_cache is not None else 0
         if k and self.config.data.target_topk > 0:
             return f"top-{k} + remainder, cached once per token (data.offline_features_dir)"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...formats import readable_format, specforge
+from ...formats import readable_format, specforge, specforge_domino
 from ...formats.dflash import read_config
 from ...modeling import DSpineConfig
 from ..errors import TrainingError
@@ -36,8 +36,11 @@ def export_config(init_from: str | None) -> DSpineConfig | None:
     try:
         if Path(init_from).is_dir():
             fields = read_config(init_from)
-            if readable_format(fields, init_from) == "specforge":
+            fmt = readable_format(fields, init_from)
+            if fmt == "specforge":
                 return specforge.config_from_dict(fields, init_from)
+            if fmt == "specforge-domino":
+                return specforge_domino.config_from_dict(fields, init_from)
         return DSpineConfig.from_pretrained(init_from)
     except (OSError, ValueError) as err:  # a FormatError is a ValueError
         raise TrainingError(f"model.init_from: {err}") from err

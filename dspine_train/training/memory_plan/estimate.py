@@ -243,7 +243,9 @@ def estimate_memory(
         message_size=message_size, candidate_k=candidate_k, param_dtype_bytes=p,
     )
     drafted = micro_batch_size * num_anchors * (block_size - 1)  # b*A*(B-1), slots 1..B-1
-    anchor_predicts = (method_fields or {}).get("method") in ANCHOR_PREDICTING_METHODS
+    method = (method_fields or {}).get("method")
+    anchor_predicts = method in ANCHOR_PREDICTING_METHODS or (  # Domino with shifted labels
+        method == "domino" and bool((method_fields or {}).get("domino_shift_label")))
     predicted = micro_batch_size * num_anchors * block_size if anchor_predicts else drafted
     per_block = "B" if anchor_predicts else "(B-1)"
     layer_h, inject_h = act.layer / hidden, act.injection / hidden

@@ -1,0 +1,111 @@
+"""Domino's training objective (SpecForge `OnlineDominoModel`, `DominoTrainStrategy`).
+
+Per supervised drafted token i of a block (i = 1..P, token a+i; weight `w_i = exp(-(i-1)/gamma)`
+while the targets a+1..a+i are all supervised and inside the sequence):
+
+* CE_final: the label's CE under the final logits, the backbone's plus the GRU correction
+  teacher-forced with the true previous tokens (`DSpineDraftModel.domino_logits`);
+* CE_base: the label's CE under the backbone's logits alone.
+
+loss = (1 - l) sum_i w_i CE_final / sum_i w_i + l sum_i w_i CE_base / sum_i w_i, with the base
+weight l = `domino_lambda_start` falling linearly to 0 at `domino_lambda_decay_ratio` of the
+run's steps (`lambda_base`; SpecForge's `linear_lambda_base`). Label CE only: Domino distils
+nothing from the target's distribution (`distill` and `ce_weight` are not read).
+
+One difference from SpecForge, kept for the project's one rule across methods: its weight is the
+loss mask of each target alone, here supervision stops at a block's first unsupervised target
+(`objective.slot_weights`, as DFlash, DSpine and DSpark train here) - the evaluation and the
+engine never accept a token past it either.
+
+Full-vocabulary logits exist for one chunk of tokens at a time, recomputed in backward
+(activation checkpointing), so B x S x V is never materialised (METHOD 4). The GRU runs once over
+every block's previous tokens (a (blocks, P, G) tensor), outside the chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .modeling import DSpineDraftModel, DSpineTrainOutput
+from .objective import slot_weights
+
+
+def lambda_base(step: int, total_steps: int, start: float, decay_ratio: float) -> float:
+    """The base-CE weight at `step` of `total_steps`: `start` falling linearly to 0 over the
+    first `int(total_steps * decay_ratio)` steps (at least one), clamped to [0, 1]."""
+    decay_steps = max(1, int(total_steps * decay_ratio))
+    return max(0.0, min(1.0, start * (1.0 - min(step / decay_steps, 1.0))))
+
+
+def _token_terms(draft: DSpineDraftModel, hidden: torch.Tensor, states: torch.Tensor,
+                 corrected: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(final CE, base CE, final correct, base correct) of n drafted tokens: hidden (n, H) their
+    slots' last-layer states, states (n, G) their GRU states, corrected (n,), labels (n,). The
+    (n, V) logits live only in here."""
+    final, base = draft.domino_logits(hidden, states, corrected)
+    final, base = final.float(), base.float()
+    final_ce = F.cross_entropy(final, labels, reduction="none")
+    base_ce = F.cross_entropy(base, labels, reduction="none")
+    correct = (final.detach().argmax(-1) == labels).float()
+    base_correct = (base.detach().argmax(-1) == labels).float()
+    return final_ce, base_ce, correct, base_correct
+
+
+def domino_loss(
+    draft: DSpineDraftModel,
+    out: DSpineTrainOutput,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_mask: torch.Tensor,
+    step: int = 0,
+    total_steps: int = 1,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The Domino objective for one training forward (`draft(...)` of a `method: domino` draft)
+    at `step` of `total_steps`; returns (loss, detached metrics: loss, backbone_ce (base CE),
+    domino_ce (final CE), top1_acc (final), base_top1_acc, lambda_base, supervised_slots)."""
+    cfg = draft.config
+    if cfg.method != "domino" or out.prev_ids is None:
+        raise ValueError(f"domino_loss: a method: {cfg.method} draft (use objective.dspine_loss)")
+    p = cfg.num_predictions
+    first = cfg.block_size - p  # the first drafting slot: 1, or 0 when the anchor predicts
+    # drafted token i predicts a+i with weight exp(-(i-1)/gamma): the weights of a block of P + 1
+    weights = slot_weights(loss_mask, anchors, anchor_mask, p + 1, cfg.loss_gamma)  # (B, A, P)
+    states = draft.domino_prev_states(out.prev_ids)  # (B, A, P, G), teacher-forced
+    # Deliberate host sync (as in `objective.supervised_slots`): the supervised tokens' indices,
+    # read once, so padding costs no vocabulary work.
+    rows = torch.nonzero(weights.reshape(-1) > 0).squeeze(1)  # (n,)
+    w = weights.reshape(-1)[rows]
+    hidden = out.hidden[:, :, first:].reshape(-1, cfg.hidden_size)[rows]  # (n, H)
+    states = states.reshape(-1, states.shape[-1])[rows]  # (n, G)
+    token = torch.arange(1, p + 1, device=anchors.device).expand_as(weights).reshape(-1)[rows]
+    corrected = token > cfg.domino_prefix_len
+    labels = out.labels.reshape(-1)[rows]
+    terms = []
+    for start in range(0, rows.numel(), chunk_size):
+        part = slice(start, start + chunk_size)
+        args = (draft, hidden[part], states[part], corrected[part], labels[part])
+        if torch.is_grad_enabled():
+            terms.append(checkpoint(_token_terms, *args, use_reentrant=False))
+        else:
+            terms.append(_token_terms(*args))
+    if terms:
+        final_ce, base_ce, correct, base_correct = (torch.cat(t) for t in zip(*terms, strict=True))
+    else:  # no supervised token: a zero loss that still reaches the parameters
+        final_ce = base_ce = correct = base_correct = (
+            hidden.sum() * 0.0 + states.sum() * 0.0 + torch.zeros(0, device=hidden.device))
+    total = w.sum().clamp_min(1e-6)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (w * x).sum() / total
+
+    lam = lambda_base(step, total_steps, cfg.domino_lambda_start, cfg.domino_lambda_decay_ratio)
+    loss = (1.0 - lam) * mean(final_ce) + lam * mean(base_ce)
+    metrics = {"loss": loss.detach(), "backbone_ce": mean(base_ce).detach(),
+               "domino_ce": mean(final_ce).detach(), "top1_acc": mean(correct).detach(),
+               "base_top1_acc": mean(base_correct).detach(),
+               "lambda_base": torch.tensor(lam, device=loss.device),
+               "supervised_slots": torch.tensor(float(rows.numel()), device=loss.device)}
+    return loss, metrics
