@@ -556,6 +556,26 @@ def test_step_times_side_by_side_on_the_same_batches(tiny_assets: dict, tmp_path
     assert f"| dflash | {rows['dflash']['step_s']:.2f} |" in text
 
 
+def test_the_method_rows_train_on_the_study_feature_cache(tiny_assets: dict,
+                                                        tmp_path: Path) -> None:
+    """DSpark, DFlash2 and Domino take real steps on the feature cache the study trains the
+    other rows on (their objectives read the target's head, not the cached top-k)."""
+    from scripts.tools.ablation.study_steps import time_steps
+    from tests._train_helpers import check_ok, run_module, tiny_overrides
+
+    features = tmp_path / "features"
+    check_ok(run_module(["-m", "dspine_train.training.cache_features", *tiny_overrides(
+        tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}")]))
+    settings = tiny_settings(tmp_path, tiny_assets, features_override=features)
+    variants = [VARIANTS["dspine"], *(VARIANTS[name] for name in METHODS)]
+    result = time_steps(settings, variants, tmp_path / "steps", batches=1, iters=1,
+                        progress=lambda line: None)
+    rows = result["variants"]
+    assert list(rows) == ["dspine", *METHODS]
+    for name in METHODS:
+        assert rows[name]["method"] == name and rows[name]["step_s"] > 0
+
+
 def test_steps_without_the_study_data_fails_by_name(tmp_path: Path, capsys) -> None:
     from scripts.tools.ablation.study_cli import main
 

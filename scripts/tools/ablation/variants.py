@@ -107,10 +107,14 @@ VARIANTS: dict[str, Variant] = {
         # is its `method` preset (modeling/method_presets.py), nothing else changed.
         Variant("dspark", "DSpark (DeepSpec): the anchor slot predicts too, Markov and "
                 "confidence heads", ("model.method=dspark",)),
+        Variant("dflash2", "DFlash2 (z-lab; speculators' objective): grouped dynamic causal "
+                "convolutions and a candidate selector", ("model.method=dflash2",)),
+        Variant("domino", "Domino (SpecForge): a GRU logit correction over the block's previous "
+                "tokens", ("model.method=domino",)),
     )
 }
 # The methods DSpine is compared with (the training study's method rows, run when named).
-METHODS = ("dspark",)
+METHODS = ("dspark", "dflash2", "domino")
 
 # The reference of every paired difference.
 REFERENCE = "dspine"
