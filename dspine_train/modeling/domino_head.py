@@ -33,8 +33,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_dspine import DSpineConfig
-from .exponential_race import race
-from .transition_cache import WalkResult, draw_noise
+from .transition_cache import WalkResult, draw_in_top_k, stacked_walk
 
 
 class PrefixGRU(nn.Module):
@@ -148,16 +147,9 @@ def domino_walk(
         if greedy:
             prev = logits.argmax(-1)
         else:
-            cand = torch.topk(logits, k, dim=-1, sorted=True).indices  # (..., K)
             slot_noise = None if noise is None else noise[..., i, :]
-            slot_noise = draw_noise(cand, temperature, generator, slot_noise)
-            scale = temperature[..., None] if isinstance(temperature, torch.Tensor) else temperature
-            probs = torch.softmax(logits.gather(-1, cand).float() / scale, dim=-1)
-            prev = cand.gather(-1, race(probs, slot_noise)[..., None]).squeeze(-1)
+            prev, probs, cand = draw_in_top_k(logits, k, temperature, generator, slot_noise)
             qs.append(probs)
             cands.append(cand)
         tokens.append(prev)
-    out = torch.stack(tokens, dim=-1)  # (..., P)
-    if greedy:
-        return WalkResult(out)
-    return WalkResult(out, torch.stack(qs, dim=-2), torch.stack(cands, dim=-2))
+    return stacked_walk(tokens, qs, cands)  # tokens (..., P)

@@ -95,6 +95,36 @@ def draw_noise(
     return exponential_noise(cand.shape, generator, cand.device)
 
 
+def draw_in_top_k(
+    logits: torch.Tensor,
+    k: int,
+    temperature: float | torch.Tensor,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One slot of a left-to-right walk, sampled: a token from softmax(logits / T) restricted to
+    the slot's top-`k`, by the exponential race. logits (..., V); temperature a float or a tensor
+    (...,); noise (..., K) Exp(1) draws, or None for fresh ones from `generator`. Returns the
+    token (...,), q (..., K) and the candidates (..., K) it was drawn among (DSpark's Markov walk
+    and Domino's GRU walk draw each slot so)."""
+    cand = torch.topk(logits, k, dim=-1, sorted=True).indices  # (..., K)
+    noise = draw_noise(cand, temperature, generator, noise)
+    scale = temperature[..., None] if isinstance(temperature, torch.Tensor) else temperature
+    probs = torch.softmax(logits.gather(-1, cand).float() / scale, dim=-1)
+    return cand.gather(-1, race(probs, noise)[..., None]).squeeze(-1), probs, cand
+
+
+def stacked_walk(
+    tokens: list[torch.Tensor], qs: list[torch.Tensor], cands: list[torch.Tensor]
+) -> WalkResult:
+    """A walk's per-slot tokens (...,) and, when it sampled, q and candidates (..., K), stacked
+    along the slot axis into one `WalkResult`."""
+    out = torch.stack(tokens, dim=-1)
+    if not qs:
+        return WalkResult(out)
+    return WalkResult(out, torch.stack(qs, dim=-2), torch.stack(cands, dim=-2))
+
+
 def walk_table(
     table: torch.Tensor,
     cand: torch.Tensor,
