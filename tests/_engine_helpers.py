@@ -1,6 +1,7 @@
 """Shared builders for the engine tests: tiny random targets, a tokenizer, drafts, and the
-scaffolding of the sampling tests (samples against the target's exact marginals), and edited
-copies of exported checkpoints (the import tests' bad files)."""
+scaffolding of the sampling tests (samples against the target's exact marginals), edited
+copies of exported checkpoints (the import tests' bad files), and the per-method engine tests'
+training loop, engine and batching."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -143,6 +145,56 @@ def train_draft_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr
     from scripts.tools.gpu_check.models import train_draft_briefly as train
 
     return train(draft, hf_model, sequences, steps, lr)
+
+
+def train_method_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr: float,
+                         loss: Callable[..., tuple[torch.Tensor, Any]]):
+    """`steps` AdamW steps of a method's objective on the target's sequences `(B, S)` (CPU,
+    fp32, 16 anchors a row): enough for many accepted drafts. `loss(draft, out, final, mask,
+    anchors, anchor_mask, step)` is the method's loss on one training forward `out` (`final`:
+    the target's last hidden states), returning (loss, metrics)."""
+    from dspine_train.objective import sample_anchors
+
+    cfg = draft.config
+    draft.bind_target(hf_model.model.embed_tokens.weight.detach(),
+                      hf_model.lm_head.weight.detach())
+    with torch.no_grad():
+        out = hf_model(sequences, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in cfg.target_layer_ids], dim=-1)
+    final, mask = out.hidden_states[-1], torch.ones_like(sequences)
+    gen = torch.Generator().manual_seed(0)
+    optim = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    draft.train()
+    for step in range(steps):
+        anchors, anchor_mask = sample_anchors(mask, 16, cfg.block_size, gen)
+        train_out = draft(sequences, feats, anchors, anchor_mask, use_flex=False)
+        value, _ = loss(draft, train_out, final, mask, anchors, anchor_mask, step)
+        optim.zero_grad()
+        value.backward()
+        optim.step()
+    return draft.eval()
+
+
+def world_engine(root: Path, draft: str, **kwargs):
+    """An engine on `root`'s tiny target and its draft directory `draft` (batch 4 by default,
+    96 positions, no EOS): what the per-method engine tests decode with."""
+    from dspine_train.engine import Engine
+
+    kwargs.setdefault("max_batch_size", 4)
+    return Engine.from_pretrained(root / "target", root / draft, max_seq_len=96,
+                                  eos_token_ids=[], **kwargs)
+
+
+def generate_in_fours(engine, prompts: list[list[int]], new_tokens: int, **kwargs):
+    """Speculative decoding of `prompts` four ragged prompts a call: the tokens of every
+    prompt and each call's stats."""
+    out, stats = [], []
+    for i in range(0, len(prompts), 4):
+        result = engine.generate(prompts[i : i + 4], max_new_tokens=new_tokens, chat=False,
+                                 **kwargs)
+        out += result.token_ids
+        stats.append(result.stats)
+    return out, stats
 
 
 # ----------------------------------------------------------------------------- sampling tests

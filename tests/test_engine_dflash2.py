@@ -18,17 +18,19 @@ from _engine_helpers import (
     build_tiny_target,
     build_tokenizer,
     exact_marginals,
+    generate_in_fours,
     hf_features,
     hf_greedy,
     sample_rows,
     tiny_draft,
+    train_method_briefly,
+    world_engine,
 )
 
 from dspine_train.dflash2_objective import dflash2_loss
 from dspine_train.engine import Engine, GenerationInputError
 from dspine_train.engine.ngram import NgramConfig
 from dspine_train.export import main as export_main
-from dspine_train.objective import sample_anchors
 
 NEW = 24  # new tokens per prompt in the greedy tests
 BLOCK = 8  # a DFlash2 block drafts BLOCK - 1 tokens
@@ -38,24 +40,8 @@ RANK = 16
 def train_dflash2_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr: float):
     """`steps` AdamW steps of DFlash2's loss (`dflash2_loss`: unary KL + the selector's CE with
     the true predecessors) on the target's sequences `(B, S)` (CPU, fp32)."""
-    cfg = draft.config
-    draft.bind_target(hf_model.model.embed_tokens.weight.detach(),
-                      hf_model.lm_head.weight.detach())
-    with torch.no_grad():
-        out = hf_model(sequences, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in cfg.target_layer_ids], dim=-1)
-    final, mask = out.hidden_states[-1], torch.ones_like(sequences)
-    gen = torch.Generator().manual_seed(0)
-    optim = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
-    draft.train()
-    for _ in range(steps):
-        anchors, anchor_mask = sample_anchors(mask, 16, cfg.block_size, gen)
-        train_out = draft(sequences, feats, anchors, anchor_mask, use_flex=False)
-        loss, _ = dflash2_loss(draft, train_out, final, mask, anchors, anchor_mask)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-    return draft.eval()
+    return train_method_briefly(draft, hf_model, sequences, steps, lr,
+                                lambda d, o, final, m, a, am, step: dflash2_loss(d, o, final, m, a, am))
 
 
 def _dflash2(hf, vocab: int, **overrides):
@@ -97,19 +83,12 @@ def world(tmp_path_factory):
 
 
 def _engine(world, draft: str, **kwargs) -> Engine:
-    kwargs.setdefault("max_batch_size", 4)
-    return Engine.from_pretrained(world["root"] / "target", world["root"] / draft,
-                                  max_seq_len=96, eos_token_ids=[], **kwargs)
+    return world_engine(world["root"], draft, **kwargs)
 
 
 def _batched(engine: Engine, prompts, **kwargs):
     """Greedy speculative decoding four ragged prompts a call: tokens and each call's stats."""
-    out, stats = [], []
-    for i in range(0, len(prompts), 4):
-        result = engine.generate(prompts[i : i + 4], max_new_tokens=NEW, chat=False, **kwargs)
-        out += result.token_ids
-        stats.append(result.stats)
-    return out, stats
+    return generate_in_fours(engine, prompts, NEW, **kwargs)
 
 
 @pytest.mark.parametrize("draft", ["untrained", "trained"])
