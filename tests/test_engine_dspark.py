@@ -13,15 +13,12 @@ import pytest
 import torch
 import transformers
 from _engine_helpers import (
-    SAMPLED_TOKENS,
-    assert_sampled_like,
+    assert_trained_method_samples_the_target_law,
     build_tiny_target,
     build_tokenizer,
-    exact_marginals,
     generate_in_fours,
     hf_features,
     hf_greedy,
-    sample_rows,
     tiny_draft,
     train_method_briefly,
     world_engine,
@@ -177,23 +174,9 @@ def test_sampling_matches_the_target_distribution(tmp_path):
     """First three sampled tokens over many seeded rows vs the target's exact marginals; the
     draft samples each slot from its Markov-adjusted top-K softmax given the token drafted before
     it, the q the rejection rule divides by."""
-    vocab, prompt, rows = 32, [3, 17, 8, 25], 600
-    build_tiny_target(tmp_path / "target", "qwen3", head_scale=6.0, vocab_size=vocab,
-                      num_hidden_layers=6, eos_token_id=None)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "target").eval()
-    gen = torch.Generator().manual_seed(0)
-    starts = [torch.randint(1, vocab, (4,), generator=gen).tolist() for _ in range(6)]
-    sequences = torch.tensor([p + hf_greedy(hf, p, 20) for p in [prompt, *starts]])
-    draft = _dspark(hf, 30, block_size=4, transfer_dim=8, message_size=8)
-    train_dspark_briefly(draft, hf, sequences, steps=40, lr=1e-2).save_pretrained(
-        tmp_path / "draft")
-    exact = exact_marginals(hf, prompt, vocab, steps=SAMPLED_TOKENS)
-    engine = Engine.from_pretrained(tmp_path / "target", tmp_path / "draft",
-                                    max_batch_size=rows, max_seq_len=16, eos_token_ids=[])
-    tokens, results = sample_rows(engine, prompt, rows, "generate")  # (4 * rows, 3)
-    assert_sampled_like(tokens, exact, "dspark")
-    accepted = {n for r in results for row in r.stats.round_accepted for n in row}
-    assert 0 in accepted and max(accepted) >= 2  # drafts rejected and accepted shaped them
+    assert_trained_method_samples_the_target_law(
+        tmp_path, lambda hf: _dspark(hf, 30, block_size=4, transfer_dim=8, message_size=8),
+        train_dspark_briefly, "dspark")
 
 
 def test_warmup_runs_every_dspark_step(world):
