@@ -90,3 +90,47 @@ def test_an_export_missing_a_field_is_named(world, tmp_path):
     (broken / "config.json").write_text(json.dumps(fields))
     with pytest.raises(TrainingError, match=r"model\.init_from: .*lacks block_size"):
         draft_config_for(_model_cfg(world, init_from=broken), world["hf"].config, VOCAB)
+
+
+@pytest.mark.parametrize(("method", "fmt", "heads"), [
+    ("dspark", "speculators", dict(markov_rank=8)),
+    ("dspark", "deepspec", dict(markov_rank=8)),
+    ("dflash2", "speculators", dict(selector_rank=8, selector_top_k=4, conv_group_size=8)),
+    ("domino", "specforge", dict(domino_emb_dim=8, domino_gru_hidden_dim=12)),
+])
+def test_a_published_checkpoint_of_another_method_is_continued_bit_for_bit(
+        world, tmp_path, method, fmt, heads):
+    """`model.init_from` = a DSpark, DFlash2 or Domino checkpoint in the format its servers
+    read: the run trains that method's draft, every weight (heads included) the checkpoint's,
+    and a recipe that resizes a head is refused by name."""
+    from dspine_train.export import main as export_main
+
+    draft = tiny_draft(world["hf"], VOCAB, method=method, num_layers=2, block_size=6,
+                       target_layer_ids=[0, 3], transfer_dim=16, message_size=16, **heads)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+    draft.save_pretrained(tmp_path / "ours")
+    verifier = ["--verifier", str(world["root"] / "target")] if fmt == "speculators" else []
+    assert export_main([str(tmp_path / "ours"), str(tmp_path / fmt), "--format", fmt,
+                        *verifier]) == 0
+    m = _model_cfg(world, init_from=tmp_path / fmt)
+    config = draft_config_for(m, world["hf"].config, VOCAB)
+    assert config.method == method
+    continued = build_draft(m, config, None, world["hf"].config, seed=0)
+    # every parameter the method runs (not DSpine's injection, off in these methods, nor its
+    # token table: the formats carry neither)
+    assert not draft.config.injection
+
+    def used(model):
+        return {k: v for k, v in model.named_parameters() if not k.startswith("injection.")}
+
+    theirs, ours = used(continued), used(draft)
+    assert set(theirs) == set(ours)
+    for name, value in ours.items():
+        assert theirs[name].equal(value), name
+    field, value = next(iter(heads.items()))
+    with pytest.raises(TrainingError, match=f"model.{field}"):
+        draft_config_for(_model_cfg(world, init_from=tmp_path / fmt, **{field: value * 2}),
+                         world["hf"].config, VOCAB)

@@ -266,6 +266,24 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
     return DSpineDraftModel.from_pretrained(str(directory))
 
 
+def draft_config(directory: str | Path) -> DSpineConfig:
+    """The `DSpineConfig` of the draft exported at `directory`, in any format `load_draft`
+    reads, from its config.json alone (no weights read): what `model.init_from` continues."""
+    fields = dflash.read_config(directory)
+    fmt = readable_format(fields, directory)
+    source = str(directory)
+    if fmt == "speculators":
+        dflash2 = speculators_dflash2.is_dflash2_config(fields)
+        return (speculators_dflash2 if dflash2 else speculators_dspark).config_from_dict(fields,
+                                                                                       source)
+    readers = {"specforge": specforge.config_from_dict,
+               "specforge-domino": specforge_domino.config_from_dict,
+               "deepspec": deepspec.config_from_dict, "dflash": dflash.config_from_dict}
+    if fmt in readers:
+        return readers[fmt](fields, source)
+    return DSpineConfig.from_pretrained(source)
+
+
 def export_dir(source: str | Path, out: str | Path, fmt: str,
                verifier: str | None = None) -> Path:
     """Write the draft exported at `source` (dspine, dflash, specforge or deepspec format, or a

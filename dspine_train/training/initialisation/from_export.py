@@ -1,4 +1,5 @@
-"""`model.init_from` = a DSpine draft export (ours, or SpecForge's): training continues from it.
+"""`model.init_from` = a draft export (ours; SpecForge's DSpine or Domino; a DSpark or DFlash2
+checkpoint in speculators' or DeepSpec's format): training continues from it.
 
 The export's weights fix its structure (`STRUCTURE_FIELDS`: what the weights' shapes or meaning
 depend on). The recipe leaves such a field unset (the export's value is taken) or sets the
@@ -13,17 +14,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...formats import readable_format, specforge, specforge_domino
-from ...formats.dflash import read_config
+from ...formats import draft_config
 from ...modeling import DSpineConfig
 from ..errors import TrainingError
 from .from_dflash import dflash_checkpoint, structure_overrides
 
 # The draft fields an export's weights depend on: the layers and their inputs, the block, the
-# attention and injection, the transfer space's sizes, the pruned vocabulary.
+# attention and injection, the transfer space's sizes, the pruned vocabulary, and the other
+# methods' heads (DSpark's, Domino's, DFlash2's: their sizes and what they read).
 STRUCTURE_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id",
                     "attention_bias", "method", "block_attention", "injection", "transfer_dim",
-                    "message_size", "draft_vocab_size")
+                    "message_size", "draft_vocab_size", "markov_rank", "markov_head_type",
+                    "enable_confidence_head", "confidence_head_with_markov", "domino_emb_dim",
+                    "domino_gru_hidden_dim", "domino_prefix_len", "domino_shift_label",
+                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def export_config(init_from: str | None) -> DSpineConfig | None:
@@ -34,13 +38,8 @@ def export_config(init_from: str | None) -> DSpineConfig | None:
     if not init_from or dflash_checkpoint(init_from) is not None:
         return None
     try:
-        if Path(init_from).is_dir():
-            fields = read_config(init_from)
-            fmt = readable_format(fields, init_from)
-            if fmt == "specforge":
-                return specforge.config_from_dict(fields, init_from)
-            if fmt == "specforge-domino":
-                return specforge_domino.config_from_dict(fields, init_from)
+        if Path(init_from).is_dir():  # any format `load_draft` reads
+            return draft_config(init_from)
         return DSpineConfig.from_pretrained(init_from)
     except (OSError, ValueError) as err:  # a FormatError is a ValueError
         raise TrainingError(f"model.init_from: {err}") from err
