@@ -31,6 +31,28 @@ NOT_RECORDED = "not recorded"
 LOCAL_PATH = re.compile(r"(?<![\w.:/~-])~?(?:/[^\s/`'\"|()<>]+)+/?")
 
 
+# What one draft forward does, per `method` (the card's first paragraph); the verify that
+# follows is the same for all.
+METHOD_SUMMARIES = {
+    "dspine": ("A DSpine draft model", "each position conditioned on its predecessor's forming "
+               "prediction"),
+    "dflash": ("A DFlash draft model (`method: dflash`)", "each position predicted from the "
+               "target's context features and decoded on its own"),
+    "dspark": ("A DSpark draft model (`method: dspark`, DeepSpec's method)", "the anchor slot "
+               "predicting too and a Markov head conditioning each token on the one drafted "
+               "before it"),
+    "domino": ("A Domino draft model (`method: domino`, SpecForge's method)", "a GRU over the "
+               "tokens drafted before each position correcting its logits"),
+    "dflash2": ("A DFlash2 draft model (`method: dflash2`, z-lab's network)", "grouped causal "
+                "convolutions along the block and a candidate selector choosing each token "
+                "given the one drafted before it"),
+}
+# The `python -m dspine_train.export --format` its serving stacks read, per method (none: the
+# project's own engine serves it, docs/SERVING.md).
+SERVER_FORMATS = {"dflash": "speculators", "dspark": "speculators", "dflash2": "speculators",
+                  "domino": "specforge"}
+
+
 def hub_base_model(name: str | None) -> str | None:
     """`name` when it can be a Hub model id (and is not a local directory), else None."""
     if not name or Path(name).expanduser().exists():
@@ -144,7 +166,9 @@ def render_model_card(
     config = info.config
     target = base_model or config.get("target_name_or_path")
     hub_target = base_model or hub_base_model(target)
-    metadata = ModelCardData(library_name=LIBRARY_NAME, tags=list(CARD_TAGS), base_model=hub_target)
+    method = config.get("method") if config.get("method") in METHOD_SUMMARIES else "dspine"
+    tags = list(CARD_TAGS) + ([method] if method != "dspine" else [])
+    metadata = ModelCardData(library_name=LIBRARY_NAME, tags=tags, base_model=hub_target)
     recorded_recipe = info.training_info.get("recipe")
     recipe = recipe or (recorded_recipe if isinstance(recorded_recipe, str) else None)
     recipe = public_text(recipe) if recipe else NOT_RECORDED
@@ -162,6 +186,7 @@ def render_model_card(
         return _format_value(config[key]) if key in config else NOT_RECORDED
 
     rows = [
+        ("method", method),
         ("target model", target_text),
         ("draft layers", field_of("num_layers")),
         ("target layers read (0-based)", _format_value(layer_ids) if layer_ids else NOT_RECORDED),
@@ -181,9 +206,9 @@ def render_model_card(
     lines = [
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"A DSpine draft model for lossless speculative decoding with {target_text} as the target. "
-        "One forward of the draft proposes a block of tokens, each position conditioned on its "
-        "predecessor's forming prediction; the target verifies the block in one forward, so the "
+        f"{METHOD_SUMMARIES[method][0]} for lossless speculative decoding with {target_text} as "
+        f"the target. One forward of the draft proposes a block of tokens, "
+        f"{METHOD_SUMMARIES[method][1]}; the target verifies the block in one forward, so the "
         "output is the target's own.",
         "",
         "## Model",
@@ -218,6 +243,13 @@ def render_model_card(
         "engine that runs this draft and the benchmark scripts.",
         "",
     ]
+    if method in SERVER_FORMATS:
+        lines[-1:-1] = [
+            f"For vLLM or SGLang, write it in the format they read with `python -m "
+            f"dspine_train.export THIS_DRAFT OUT --format {SERVER_FORMATS[method]}` (the "
+            "serving commands: docs/SERVING.md in the repository).",
+            "",
+        ]
     # The template only places the body after the front matter ModelCard renders from the
     # metadata; ModelCard parses the result back, so invalid metadata raises here.
     card = ModelCard.from_template(

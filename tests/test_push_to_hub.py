@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard
 from safetensors.numpy import save_file
 
 from dspine_train import hub, hub_cli
+from dspine_train.model_card import METHOD_SUMMARIES
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "push_to_hub.py"
@@ -246,6 +247,32 @@ def test_card_holds_no_local_absolute_paths(tmp_path, hf_env):
     assert hub.public_text("see https://hf.co/org/x and org/y, 3/4") == (
         "see https://hf.co/org/x and org/y, 3/4"
     )
+
+
+@pytest.mark.parametrize(("method", "name", "fmt"), [
+    ("dspine", "A DSpine draft model", None),
+    ("dspark", "A DSpark draft model", "speculators"),
+    ("dflash2", "A DFlash2 draft model", "speculators"),
+    ("domino", "A Domino draft model", "specforge"),
+])
+def test_the_card_says_which_method_the_draft_is_and_how_servers_read_it(tmp_path, method,
+                                                                         name, fmt):
+    """A draft of another method is not described as DSpine's: the card names its method (text,
+    table, tags) and the export its serving stacks read."""
+    info = hub.ExportInfo(tmp_path, {"model_type": "dspine", "method": method, "block_size": 8},
+                          ["model.safetensors"], 3, 100, None, {})
+    text = hub.render_model_card(info, repo_id="org/name")
+    card = ModelCard(text)
+    body = card.text
+    summary = next(line for line in body.splitlines() if "lossless speculative decoding" in line)
+    assert summary.startswith(name), summary
+    assert f"| method | {method} |" in body
+    assert method in card.data.tags
+    for other, (title, _) in METHOD_SUMMARIES.items():
+        if other != method:
+            assert title not in body
+    command = f"--format {fmt}`" if fmt else "--format"
+    assert (command in body) == (fmt is not None)
 
 
 def test_a_metric_holding_a_pipe_keeps_its_row_of_the_card(tmp_path, hf_env):
