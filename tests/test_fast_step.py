@@ -177,3 +177,26 @@ def test_bench_recipe_mode_times_the_paths_side_by_side(tiny_assets, tmp_path: P
     assert report["topk_objective_change"]["k"] == 512  # the cache's top-1024 of 512 ids
     assert "pruned draft vocabulary: 300 of 512 ids" in proc.stdout
     assert "where one step's time goes" in proc.stdout
+
+
+def test_bench_methods_mode_times_every_method_s_own_step(tmp_path: Path):
+    """`bench_train.py --methods`: each method's draft and objective on one batch, as ratios to
+    DSpine's step, with each method's heads counted in its parameters."""
+    from tests._train_helpers import check_ok, run_module
+
+    out = tmp_path / "methods.json"
+    proc = run_module(["scripts/bench_train.py", "--methods", "--hidden", "64", "--vocab", "512",
+                       "--seq", "64", "--anchors", "4", "--block", "8", "--iters", "1",
+                       "--warmup", "1", "--transfer-dim", "16", "--message-size", "8",
+                       "--out", str(out)])
+    check_ok(proc)
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert list(results) == ["dspine", "dflash", "dspark", "dflash2", "domino"]
+    assert report["ratio_to_dspine"]["dspine"] == 1.0 and report["overhead_ratio"] is None
+    for name, r in results.items():
+        assert r["step_ms"] > 0 and r["peak_memory_mib"] >= 0, name
+        assert report["ratio_to_dspine"][name] == r["step_ms"] / results["dspine"]["step_ms"]
+    for name in ("dspark", "dflash2", "domino"):  # their heads
+        assert results[name]["parameters"] > results["dflash"]["parameters"], name
+    assert "DSpine overhead" not in proc.stdout
