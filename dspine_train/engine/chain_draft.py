@@ -34,16 +34,11 @@ SERIAL_HEADS = {"dspark": "DSpark's Markov head", "domino": "Domino's GRU",
 
 def serial_head(draft: Any | None) -> str | None:
     """The head that decodes `draft`'s block left to right (`method: dspark`, `domino` or
-    `dflash2`, or any draft whose anchor slot predicts), or None: such a draft proposes one path
-    and is served as a chain only (no token trees, no n-gram hybrid)."""
-    if draft is None:
-        return None
-    method = getattr(draft.config, "method", None)
-    if method in SERIAL_HEAD_METHODS:
-        return SERIAL_HEADS.get(method, f"the {method} head")
-    if getattr(draft.config, "anchor_predicts", False):
-        return "its head"
-    return None
+    `dflash2`: `SERIAL_HEAD_METHODS`, whose anchor-predicting drafts are among them), or None:
+    such a draft proposes one path and is served as a chain only (no token trees, no n-gram
+    hybrid)."""
+    method = None if draft is None else getattr(draft.config, "method", None)
+    return SERIAL_HEADS[method] if method in SERIAL_HEAD_METHODS else None
 
 
 def draft_predictions(config: Any) -> int:

@@ -250,12 +250,13 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
     """The draft exported at `directory`, in any format (a DFlash checkpoint is imported as a
     `method: dflash` draft, a SpecForge one as the DSpine draft it is); strict
     (`DSpineDraftModel.from_pretrained` / `import_dflash` / `specforge.import_specforge`)."""
-    fmt = readable_format(dflash.read_config(directory), directory)
+    fields = dflash.read_config(directory)
+    fmt = readable_format(fields, directory)
     if fmt == "specforge-domino":
         return import_domino(directory)
     if fmt == "specforge":
         return specforge.import_specforge(directory)
-    if fmt == "speculators" and speculators_dflash2.is_dflash2_config(dflash.read_config(directory)):
+    if fmt == "speculators" and speculators_dflash2.is_dflash2_config(fields):
         return speculators_dflash2.import_dflash2(directory)
     if fmt == "speculators":
         return speculators_dspark.import_dspark(directory)
@@ -272,11 +273,10 @@ def draft_config(directory: str | Path) -> DSpineConfig:
     fields = dflash.read_config(directory)
     fmt = readable_format(fields, directory)
     source = str(directory)
-    if fmt == "speculators":
-        dflash2 = speculators_dflash2.is_dflash2_config(fields)
-        return (speculators_dflash2 if dflash2 else speculators_dspark).config_from_dict(fields,
-                                                                                       source)
-    readers = {"specforge": specforge.config_from_dict,
+    if fmt == "speculators" and speculators_dflash2.is_dflash2_config(fields):
+        return speculators_dflash2.config_from_dict(fields, source)
+    readers = {"speculators": speculators_dspark.config_from_dict,
+               "specforge": specforge.config_from_dict,
                "specforge-domino": specforge_domino.config_from_dict,
                "deepspec": deepspec.config_from_dict, "dflash": dflash.config_from_dict}
     if fmt in readers:

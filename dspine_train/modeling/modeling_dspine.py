@@ -41,6 +41,7 @@ from .layer_stack import CachedContext, ProjectedContext, run_layer_stack
 from .layers import DSpineDecoderLayer, DSpineRMSNorm, DSpineRotaryEmbedding, vocab_projection
 from .markov_head import build_dspark_heads, init_dspark_heads
 from .method_heads import MethodHeads
+from .method_presets import SERIAL_HEAD_METHODS
 from .transition_cache import (
     WalkResult,
     per_slot_decode,
@@ -393,7 +394,8 @@ class DSpineDraftModel(MethodHeads, DSpinePreTrainedModel):
         gathered = torch.gather(input_ids, 1, spanned.clamp_max(seq_len - 1).view(bsz, -1))
         gathered = gathered.view(bsz, num_blocks, span)  # (B, A, span) tokens at a+k
         labels = torch.where(in_seq, gathered, torch.full_like(gathered, -100))[..., 1:]
-        with_prev = cfg.anchor_predicts or cfg.method in ("domino", "dflash2")
+        # the heads that read the token before each slot (DSpark's, Domino's, DFlash2's)
+        with_prev = cfg.method in SERIAL_HEAD_METHODS
         prev_ids = gathered[..., :cfg.num_predictions] if with_prev else None  # (B, A, P)
         # the block's own slots
         gathered, positions = gathered[..., :bk], spanned[..., :bk].contiguous()
