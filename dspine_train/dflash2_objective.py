@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .modeling import DSpineDraftModel, DSpineTrainOutput
+from .modeling.transition_cache import top_candidates
 from .objective import slot_weights
 
 
@@ -73,7 +74,7 @@ def _slot_terms(draft: DSpineDraftModel, hidden: torch.Tensor, prev: torch.Tenso
             hard = target_logits.argmax(-1)
         unary_loss = F.kl_div(logp, p_target, reduction="none").sum(-1)
     selector = draft.candidate_selector
-    cand = torch.topk(unary.detach(), selector.top_k, dim=-1).indices  # (n, K)
+    cand = top_candidates(unary.detach(), selector.top_k)  # (n, K): the walk's candidates
     cand, place, covered = selector_training_candidates(cand, hard)
     scores = selector.score_candidates(unary, normed, prev, cand).float()  # (n, K)
     selector_ce = F.cross_entropy(scores, place, reduction="none")

@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .exponential_race import race
-from .transition_cache import WalkResult, draw_noise
+from .transition_cache import WalkResult, draw_among, top_candidates
 
 
 class CandidateSelector(nn.Module):
@@ -51,11 +50,6 @@ class CandidateSelector(nn.Module):
         return unary + self.transition_scores(normed, pred_ids, cand_ids).to(unary.dtype)
 
 
-def selector_candidates(unary_logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The k candidates of each slot, best unary logit first: (..., V) -> (..., k)."""
-    return torch.topk(unary_logits, k, dim=-1, sorted=True).indices
-
-
 def selector_walk(
     selector: CandidateSelector,
     unary_logits: torch.Tensor,
@@ -75,7 +69,7 @@ def selector_walk(
     with the exponential race, and that distribution is q: (..., P, K) over `candidates`.
     """
     greedy = noise is None and not (isinstance(temperature, torch.Tensor) or temperature > 0.0)
-    cand = selector_candidates(unary_logits, selector.top_k)  # (..., P, K)
+    cand = top_candidates(unary_logits, selector.top_k)  # (..., P, K), best first
     prev = anchor_ids
     tokens, qs = [], []
     for j in range(unary_logits.shape[-2]):
@@ -83,15 +77,11 @@ def selector_walk(
         scores = selector.score_candidates(unary_logits[..., j, :], normed[..., j, :], prev,
                                            slot_cand)  # (..., K)
         if greedy:
-            pick = scores.argmax(-1)
+            prev = slot_cand.gather(-1, scores.argmax(-1)[..., None]).squeeze(-1)
         else:
             slot_noise = None if noise is None else noise[..., j, :]
-            slot_noise = draw_noise(slot_cand, temperature, generator, slot_noise)
-            scale = temperature[..., None] if isinstance(temperature, torch.Tensor) else temperature
-            probs = torch.softmax(scores.float() / scale, dim=-1)
-            pick = race(probs, slot_noise)
+            prev, probs = draw_among(scores, slot_cand, temperature, generator, slot_noise)
             qs.append(probs)
-        prev = slot_cand.gather(-1, pick[..., None]).squeeze(-1)
         tokens.append(prev)
     out = torch.stack(tokens, dim=-1)  # (..., P)
     if greedy:

@@ -108,10 +108,25 @@ def draw_in_top_k(
     token (...,), q (..., K) and the candidates (..., K) it was drawn among (DSpark's Markov walk
     and Domino's GRU walk draw each slot so)."""
     cand = torch.topk(logits, k, dim=-1, sorted=True).indices  # (..., K)
+    token, probs = draw_among(logits.gather(-1, cand), cand, temperature, generator, noise)
+    return token, probs, cand
+
+
+def draw_among(
+    scores: torch.Tensor,
+    cand: torch.Tensor,
+    temperature: float | torch.Tensor,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token drawn from softmax(scores / T) over its candidates, by the exponential race:
+    scores and cand (..., K); temperature a float or a tensor (...,); noise (..., K) or None
+    (fresh draws from `generator`). Returns the token (...,) and q (..., K) (`draw_in_top_k`'s
+    draw, and DFlash2's selector's over its scored candidates)."""
     noise = draw_noise(cand, temperature, generator, noise)
     scale = temperature[..., None] if isinstance(temperature, torch.Tensor) else temperature
-    probs = torch.softmax(logits.gather(-1, cand).float() / scale, dim=-1)
-    return cand.gather(-1, race(probs, noise)[..., None]).squeeze(-1), probs, cand
+    probs = torch.softmax(scores.float() / scale, dim=-1)
+    return cand.gather(-1, race(probs, noise)[..., None]).squeeze(-1), probs
 
 
 def stacked_walk(
