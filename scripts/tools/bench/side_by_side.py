@@ -47,12 +47,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dspine_train.checkpoint_io import write_text_atomic
 from dspine_train.engine import Engine
 from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.ngram import NgramConfig
+from dspine_train.evaluation.block_metrics import clustered_se
 from dspine_train.markdown_table import markdown_table
 from scripts.tools.bench.hf_reference import Decoded, HFReference
 from scripts.tools.bench.prompt_log import PromptLog
@@ -103,8 +105,6 @@ class Totals:
     """Running sums of one (benchmark, mode, temperature)."""
 
     new_tokens: int = 0
-    verifications: int = 0
-    verified_tokens: int = 0
     seconds: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)  # the first round's, per prompt
     # prompt index -> [verified tokens, verifications] summed over the rounds
@@ -112,8 +112,6 @@ class Totals:
 
     def add(self, decoded: Decoded, first_round: bool, prompt: int = 0) -> None:
         self.new_tokens += len(decoded.tokens)
-        self.verifications += decoded.verifications
-        self.verified_tokens += decoded.verified_tokens
         self.seconds += decoded.seconds
         sums = self.per_prompt.setdefault(prompt, [0, 0])
         sums[0] += decoded.verified_tokens
@@ -121,17 +119,25 @@ class Totals:
         if first_round:
             self.outputs.append(decoded.tokens)
 
+    @property
+    def verified_tokens(self) -> int:
+        return sum(v for v, _ in self.per_prompt.values())
+
+    @property
+    def verifications(self) -> int:
+        return sum(f for _, f in self.per_prompt.values())
+
     def tau_se(self) -> float | None:
-        """The standard error of tau (a ratio of sums) clustered by prompt, by the delta
-        method: sqrt(n / (n - 1) * sum_i (v_i - tau f_i)^2) / sum_i f_i over the prompts' sums
-        of verified tokens v_i and verifications f_i. None under two prompts."""
-        sums = list(self.per_prompt.values())
-        forwards = sum(f for _, f in sums)
-        if len(sums) < 2 or not forwards:
+        """The standard error of tau clustered by prompt (`block_metrics.clustered_se`, tau
+        being the mean over target forwards of the tokens each produced; a prompt's forwards
+        enter at its own tau, which gives the cluster sums v_i - tau f_i exactly). None under
+        two prompts."""
+        sums = [(v, f) for v, f in self.per_prompt.values() if f]
+        if len(sums) < 2:
             return None
-        tau = sum(v for v, _ in sums) / forwards
-        spread = sum((v - tau * f) ** 2 for v, f in sums)
-        return math.sqrt(len(sums) / (len(sums) - 1) * spread) / forwards
+        values = np.concatenate([np.full(f, v / f) for v, f in sums])
+        clusters = np.repeat(np.arange(len(sums)), [f for _, f in sums])
+        return clustered_se(values, clusters)
 
 
 def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
