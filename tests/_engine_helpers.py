@@ -135,6 +135,25 @@ def tiny_draft(hf_model, used_vocab_size: int, seed: int = 0, **overrides):
     return DSpineDraftModel(config).eval()
 
 
+def nontrivial_dflash2(draft):
+    """Norms off one, convolutions off the identity (static and dynamic taps on both sides) and
+    a selector large enough to reorder candidates, so a misplaced norm or tap, a shifted
+    predecessor or a dropped term shows."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+            elif name.endswith("base_kernel"):
+                param.add_(torch.randn_like(param) * 0.3)
+            elif "kernel_projection" in name:
+                param.normal_(std=0.05)
+        draft.candidate_selector.predecessor_codebook.normal_(std=0.5)
+        draft.candidate_selector.successor_codebook.normal_(std=0.5)
+        draft.candidate_selector.hidden_projection.weight.normal_(std=0.3)
+    return draft
+
+
 def train_draft_briefly(draft, hf_model, sequences: torch.Tensor, steps: int, lr: float = 3e-3):
     """A few optimizer steps of the DSpine objective on target sequences `(B, S)`.
 

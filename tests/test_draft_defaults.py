@@ -50,6 +50,8 @@ def _other_value(name: str, base: object) -> object:
         return 510
     if name == "draft_vocab_size":
         return 300
+    if name == "sliding_window":
+        return 64  # at least the block
     if name == "method":
         return "dflash" if base == "dspine" else "dspine"
     if name == "markov_head_type":

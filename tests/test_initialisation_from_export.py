@@ -96,6 +96,8 @@ def test_an_export_missing_a_field_is_named(world, tmp_path):
     ("dspark", "speculators", dict(markov_rank=8)),
     ("dspark", "deepspec", dict(markov_rank=8)),
     ("dflash2", "speculators", dict(selector_rank=8, selector_top_k=4, conv_group_size=8)),
+    ("dflash2", "dflash", dict(selector_rank=8, selector_top_k=4, conv_group_size=8,
+                               sliding_window=16)),
     ("domino", "specforge", dict(domino_emb_dim=8, domino_gru_hidden_dim=12)),
 ])
 def test_a_published_checkpoint_of_another_method_is_continued_bit_for_bit(
@@ -118,6 +120,7 @@ def test_a_published_checkpoint_of_another_method_is_continued_bit_for_bit(
     m = _model_cfg(world, init_from=tmp_path / fmt)
     config = draft_config_for(m, world["hf"].config, VOCAB)
     assert config.method == method
+    assert config.sliding_window == heads.get("sliding_window")  # z-lab's window carried over
     continued = build_draft(m, config, None, world["hf"].config, seed=0)
     # every parameter the method runs (not DSpine's injection, off in these methods, nor its
     # token table: the formats carry neither)

@@ -16,7 +16,13 @@ import json
 import pytest
 import torch
 import transformers
-from _engine_helpers import build_tiny_target, edited_export, hf_features, tiny_draft
+from _engine_helpers import (
+    build_tiny_target,
+    edited_export,
+    hf_features,
+    nontrivial_dflash2,
+    tiny_draft,
+)
 from safetensors.torch import load_file
 from speculators import SpeculatorModel
 from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
@@ -33,25 +39,6 @@ TOP_K = 5
 GROUP = 8
 
 
-def _nontrivial(draft: DSpineDraftModel) -> DSpineDraftModel:
-    """Norms off one, convolutions off the identity (static and dynamic taps on both sides) and
-    a selector large enough to reorder candidates, so a misplaced norm or tap, a shifted
-    predecessor or a dropped term shows."""
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.2)
-            elif name.endswith("base_kernel"):
-                param.add_(torch.randn_like(param) * 0.3)
-            elif "kernel_projection" in name:
-                param.normal_(std=0.05)
-        draft.candidate_selector.predecessor_codebook.normal_(std=0.5)
-        draft.candidate_selector.successor_codebook.normal_(std=0.5)
-        draft.candidate_selector.hidden_projection.weight.normal_(std=0.3)
-    return draft
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A tiny Qwen3 target loaded from its directory (so drafts know its path) and a `method:
@@ -60,7 +47,7 @@ def world(tmp_path_factory):
     build_tiny_target(root / "target", "qwen3", head_scale=4.0, num_hidden_layers=LAYERS,
                       eos_token_id=None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(root / "target").eval()
-    draft = _nontrivial(tiny_draft(hf, VOCAB, method="dflash2", selector_rank=RANK,
+    draft = nontrivial_dflash2(tiny_draft(hf, VOCAB, method="dflash2", selector_rank=RANK,
                                    selector_top_k=TOP_K, conv_group_size=GROUP))
     draft.save_pretrained(root / "ours")
     assert export_main([str(root / "ours"), str(root / "spec"), "--format", "speculators"]) == 0
@@ -353,8 +340,7 @@ def test_bad_settings_are_refused_by_name(settings, message):
 
 def test_formats_that_cannot_hold_a_dflash2_draft_refuse_it(world, capsys):
     root = world["root"]
-    for fmt, words in (("dflash", "drop its convolutions and candidate selector"),
-                       ("specforge", "method='dflash2' (use --format speculators)"),
+    for fmt, words in (("specforge", "method='dflash2' (use --format speculators)"),
                        ("deepspec", "method: dflash2 cannot be exported with --format deepspec")):
         out = root / f"refused_{fmt}"
         assert export_main([str(root / "ours"), str(out), "--format", fmt]) == 2

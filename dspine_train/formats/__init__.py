@@ -8,7 +8,8 @@
   so a loader that dispatches on it refuses the directory instead of running a DSpine draft as
   DFlash.
 * `dflash` (`dflash.py`): what z-lab's `DFlashDraftModel` and the serving stacks that follow it
-  read. Only a DFlash draft (`method: dflash`) can be written in it.
+  read, for a DFlash draft (`method: dflash`); for a DFlash2 draft (`method: dflash2`) z-lab's
+  `DFlash2DraftModel` (`dflash2.py`), which vLLM and SGLang read too. Written and read.
 * `specforge` (`specforge.py`): SpecForge's `DSpineDraftModel` checkpoint (the same network under
   a few other names); read and written, every field and tensor checked.
 * `speculators` (`speculators.py`): vLLM's own format as the `speculators` package writes it
@@ -22,7 +23,8 @@
 
 `export_dir` converts an export directory (the CLI `python -m dspine_train.export`);
 `write_format` writes a draft into a directory being built (the trainer's export);
-`load_draft` reads the dspine, dflash, specforge, deepspec and speculators-DSpark formats into a
+`load_draft` reads the dspine, dflash (DFlash and DFlash2), specforge, deepspec and speculators
+(DSpark and DFlash2) formats into a
 `DSpineDraftModel` (a DFlash checkpoint becomes a `method: dflash` draft, a DSpark one a
 `method: dspark` draft, a DFlash2 one a `method: dflash2` draft). Further formats go beside
 these.
@@ -45,6 +47,7 @@ from ..owned_dir import OwnedDirError, check_no_overlap, check_replaceable, writ
 from . import (
     deepspec,
     dflash,
+    dflash2,
     specforge,
     specforge_domino,
     speculators,
@@ -124,6 +127,7 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
         write_json_atomic(path, fields, indent=2, sort_keys=True)
         return
     source = getattr(draft.config, "_name_or_path", "") or "the draft"
+    check_window(draft.config, source, fmt)
     if draft.config.draft_vocab_size is not None:
         # These formats' loaders score the target's whole vocabulary: they would read no d2t
         # map and run the pruned head's rows as the wrong tokens.
@@ -155,8 +159,15 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
                           deepspec.config_dict(draft.config, tensors["fc.weight"].dtype),
                           indent=2, sort_keys=True)
         return
+    if fmt == "dflash" and draft.config.method == "dflash2":  # z-lab's own DFlash2 format
+        tensors = dflash2.state_dict(state)
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_json_atomic(directory / "config.json",
+                          dflash2.config_dict(draft.config, tensors["fc.weight"].dtype),
+                          indent=2, sort_keys=True)
+        return
     dspark = fmt == "speculators" and draft.config.method == "dspark"
-    dflash2 = fmt == "speculators" and draft.config.method == "dflash2"
+    with_selector = fmt == "speculators" and draft.config.method == "dflash2"
     check_exportable(draft.config, source, fmt)  # refused before anything is written
     if fmt == "speculators":  # and the verifier checked
         target = speculators.verifier_block(draft.config, verifier, source)
@@ -164,7 +175,7 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
     # selector beside them
     if dspark:
         tensors = speculators_dspark.state_dict(state)
-    elif dflash2:
+    elif with_selector:
         tensors = speculators_dflash2.state_dict(state)
     else:
         tensors = dflash.state_dict(state)
@@ -172,7 +183,7 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
     dtype = tensors["fc.weight"].dtype
     if dspark:
         fields = speculators_dspark.config_dict(draft.config, dtype, target)
-    elif dflash2:
+    elif with_selector:
         fields = speculators_dflash2.config_dict(draft.config, dtype, target)
     elif fmt == "speculators":
         fields = speculators.config_dict(draft.config, dtype, target)
@@ -185,6 +196,7 @@ def check_exportable(config: DSpineConfig, source: str, fmt: str) -> None:
     """`FormatError` unless a draft with `config` can be written in `fmt`, one of the DFlash
     family's formats ("dflash", "speculators", "deepspec"; the speculators format takes DFlash,
     DSpark and DFlash2 drafts, deepspec DSpark drafts)."""
+    check_window(config, source, fmt)
     if fmt == "deepspec":
         deepspec.check_exportable(config, source)
     elif fmt == "speculators" and config.method == "dspark":
@@ -193,8 +205,21 @@ def check_exportable(config: DSpineConfig, source: str, fmt: str) -> None:
         speculators_dflash2.check_exportable(config, source)
     elif fmt == "speculators":
         speculators.check_exportable(config, source)
+    elif fmt == "dflash" and config.method == "dflash2":
+        dflash2.check_exportable(config, source)
     else:
         dflash.check_exportable(config, source, fmt)
+
+
+def check_window(config: DSpineConfig, source: str, fmt: str) -> None:
+    """`FormatError` for a sliding-window draft in a format other than dspine and dflash (z-lab's
+    window, `dflash.py`): speculators' DFlash family measures the window from the anchor, the
+    other formats hold none."""
+    if config.sliding_window is not None and fmt not in ("dspine", "dflash"):
+        raise FormatError(
+            f"{source}: a sliding-window draft (sliding_window={config.sliding_window}) cannot "
+            f"be exported with --format {fmt}: its loaders would run another attention window; "
+            "export it with --format dflash (z-lab's window) or --format dspine")
 
 
 def import_dflash(directory: str | Path) -> DSpineDraftModel:
@@ -229,7 +254,8 @@ def import_domino(directory: str | Path) -> DSpineDraftModel:
 def readable_format(fields: dict[str, Any], source: str | Path) -> str:
     """Which format a draft's `config.json` dict is in, of those read here: "specforge"
     (SpecForge's DSpine), "specforge-domino", "deepspec", "speculators" (a DSpark or DFlash2
-    draft), "dflash" or "dspine". A speculators-format DFlash draft is refused (`FormatError`)."""
+    draft), "dflash2" (z-lab's DFlash2), "dflash" or "dspine". A speculators-format DFlash
+    draft is refused (`FormatError`)."""
     if specforge_domino.is_domino_config(fields):  # it has a dflash_config too: checked first
         return "specforge-domino"
     if specforge.is_specforge_config(fields):  # it has a dflash_config too: checked first
@@ -243,6 +269,8 @@ def readable_format(fields: dict[str, Any], source: str | Path) -> str:
         raise FormatError(f"{source}: a speculators-format draft ({kind}); this project reads the "
                           "dspine, dflash and specforge formats and speculators' dspark and dflash2 drafts "
                           "(export the draft's source again)")
+    if dflash2.is_dflash2_config(fields):  # it has a dflash_config too: checked first
+        return "dflash2"
     return "dflash" if dflash.is_dflash_config(fields) else "dspine"
 
 
@@ -262,6 +290,8 @@ def load_draft(directory: str | Path) -> DSpineDraftModel:
         return speculators_dspark.import_dspark(directory)
     if fmt == "deepspec":
         return deepspec.import_deepspec(directory)
+    if fmt == "dflash2":
+        return dflash2.import_dflash2(directory)
     if fmt == "dflash":
         return import_dflash(directory)
     return DSpineDraftModel.from_pretrained(str(directory))
@@ -278,7 +308,8 @@ def draft_config(directory: str | Path) -> DSpineConfig:
     readers = {"speculators": speculators_dspark.config_from_dict,
                "specforge": specforge.config_from_dict,
                "specforge-domino": specforge_domino.config_from_dict,
-               "deepspec": deepspec.config_from_dict, "dflash": dflash.config_from_dict}
+               "deepspec": deepspec.config_from_dict, "dflash": dflash.config_from_dict,
+               "dflash2": dflash2.config_from_dict}
     if fmt in readers:
         return readers[fmt](fields, source)
     return DSpineConfig.from_pretrained(source)

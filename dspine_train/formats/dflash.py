@@ -10,7 +10,11 @@ What the DFlash loaders read, established from `dflash==0.1.0` (`dflash/model.py
   absent or false with full-attention `layer_types` is attention over the whole block
   (bidirectional); `input_embedding_scale` (written when the target scales its embeddings,
   our `embed_scale`), `output_multiplier` and `final_logit_softcapping` default to plain Qwen
-  behaviour (the last two are refused on import: our draft has neither).
+  behaviour (the last two are refused on import: our draft has neither). Sliding-window layers
+  (`layer_types` all `sliding_attention`, `sliding_window` W) are our `sliding_window`: a
+  query at position p sees the context positions j with p - j < W (z-lab's `_attention_mask`);
+  they are written with `is_causal: false`, since z-lab's loader makes a sliding layer causal
+  when `is_causal` is absent. Layers of both kinds in one draft are refused.
 * `target_layer_ids` number the target's decoder layers from 0 and take layer i's *output*
   as `hidden_states[i + 1]`: the same convention as `DSpineConfig.target_layer_ids`, so the
   ids are written unchanged.
@@ -55,7 +59,6 @@ NETWORK_FIELDS = ("injection", "block_attention", "transition_cache")
 UNSUPPORTED_KEYS = {
     "output_multiplier": 1.0,
     "final_logit_softcapping": None,
-    "use_sliding_window": False,
 }
 
 
@@ -83,11 +86,6 @@ def check_exportable(config: DSpineConfig, source: str, fmt: str = "dflash") -> 
             f"{source}: a Domino draft (method: domino) cannot be exported with --format {fmt}: "
             "DFlash loaders would drop its GRU and logit-delta MLP; export it with --format "
             "specforge (SGLang serves it under DFLASH) or --format dspine")
-    if config.method == "dflash2":
-        raise FormatError(
-            f"{source}: a DFlash2 draft (method: dflash2) cannot be exported with --format "
-            f"{fmt}: DFlash loaders would drop its convolutions and candidate selector and run "
-            "another network; export it with --format speculators or --format dspine")
     preset = METHOD_PRESETS["dflash"]
     differ = [f"{name}={getattr(config, name)!r}" for name in NETWORK_FIELDS
               if getattr(config, name) != preset[name]]
@@ -120,6 +118,10 @@ def backbone_config_dict(config: DSpineConfig, dtype: torch.dtype,
         initializer_range=config.initializer_range,
         tie_word_embeddings=False,
     )
+    if config.sliding_window is not None:  # every layer a sliding one, as published drafts
+        qwen.use_sliding_window, qwen.sliding_window = True, config.sliding_window
+        qwen.max_window_layers = config.num_layers
+        qwen.layer_types = ["sliding_attention"] * config.num_layers
     out = qwen.to_dict()
     for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
         out.pop(key, None)
@@ -190,12 +192,14 @@ def is_dflash_config(fields: dict[str, Any]) -> bool:
     return ARCHITECTURE in (fields.get("architectures") or []) or "dflash_config" in fields
 
 
-def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
-    """A `method: dflash` `DSpineConfig` for a DFlash `config.json`; `FormatError` names every
-    key whose network this project does not run."""
-    archs = fields.get("architectures") or [ARCHITECTURE]
-    if archs != [ARCHITECTURE]:
-        raise FormatError(f"{source}: architectures {archs}: only {ARCHITECTURE} drafts are read")
+def config_from_dict(fields: dict[str, Any], source: str, architecture: str = ARCHITECTURE,
+                     method: str = "dflash", **method_fields: Any) -> DSpineConfig:
+    """A `method: dflash` `DSpineConfig` for a DFlash `config.json` (`architecture`, `method`
+    and `method_fields`: another member of the family, `dflash2.config_from_dict`);
+    `FormatError` names every key whose network this project does not run."""
+    archs = fields.get("architectures") or [architecture]
+    if archs != [architecture]:
+        raise FormatError(f"{source}: architectures {archs}: only {architecture} drafts are read")
     block = dict(fields.get("dflash_config") or {})
     unsupported = []
     for key, plain in UNSUPPORTED_KEYS.items():
@@ -203,18 +207,16 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
         off = got is None or got == plain or (key == "final_logit_softcapping" and got <= 0)
         if not off:
             unsupported.append(f"{key}={got!r}")
-    if fields.get("is_causal"):
-        unsupported.append("is_causal=True (a causal DFlash block)")
-    kinds = set(fields.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        unsupported.append(f"layer_types={sorted(kinds)}")
-    if unsupported:
-        raise FormatError(f"{source}: config.json sets {', '.join(unsupported)}, which this "
-                          "project's DFlash network does not implement")
     try:
         qwen = Qwen3Config(**{k: v for k, v in fields.items() if k != "dflash_config"})
     except (TypeError, ValueError) as err:
         raise FormatError(f"{source}: config.json is not a Qwen3 config: {err}") from err
+    if fields.get("is_causal"):
+        unsupported.append("is_causal=True (a causal DFlash block)")
+    window = sliding_window(qwen, fields, unsupported)
+    if unsupported:
+        raise FormatError(f"{source}: config.json sets {', '.join(unsupported)}, which this "
+                          "project's DFlash network does not implement")
 
     def value(name: str) -> Any:
         return block.get(name, fields.get(name))
@@ -238,8 +240,10 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     block_size = value("block_size")
     try:
         return DSpineConfig(
-            method="dflash",
+            method=method,
+            **method_fields,
             **backbone_fields(qwen),
+            sliding_window=window,
             embed_scale=float(value("input_embedding_scale") or 1.0),
             target_layer_ids=layer_ids,  # None: the same formula as DFlash's
             # Passed as written: `DSpineConfig` refuses a non-integer by name (8.5 is no size).
@@ -253,6 +257,27 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
         )
     except ValueError as err:
         raise FormatError(f"{source}: {err}") from err
+
+
+def sliding_window(qwen: Qwen3Config, fields: dict[str, Any], unsupported: list[str]) -> int | None:
+    """The draft's `sliding_window` from its Qwen3 config (layer kinds as z-lab's loader reads
+    them: `layer_types`, else `use_sliding_window` from `max_window_layers` on); appends to
+    `unsupported` what this project does not run: layers of both kinds, a sliding layer
+    without a window, or one left causal (`is_causal` absent)."""
+    kinds = set(qwen.layer_types or ["full_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        unsupported.append(f"layer_types={sorted(kinds)} (full and sliding layers in one draft)")
+    elif not isinstance(qwen.sliding_window, int) or qwen.sliding_window < 1:
+        unsupported.append(f"sliding_window={qwen.sliding_window!r} with sliding_attention "
+                           "layers (use_sliding_window true and a window >= 1 expected)")
+    elif fields.get("is_causal") is None:
+        unsupported.append("sliding_attention layers without is_causal (z-lab's loader makes "
+                           "them causal; is_causal: false is the bidirectional block)")
+    else:
+        return qwen.sliding_window
+    return None
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:

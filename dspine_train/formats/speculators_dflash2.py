@@ -34,14 +34,14 @@ import torch
 from transformers import Qwen3Config
 
 from ..modeling import DSpineConfig, DSpineDraftModel
-from . import dflash, speculators, speculators_dspark
+from . import dflash, dflash2, speculators, speculators_dspark
 from .dflash import FormatError
+from .dflash2 import ARCHITECTURE, KEYS, state_dict
+
+__all__ = ["config_dict", "config_from_dict", "import_dflash2", "is_dflash2_config",
+           "state_dict"]
 
 MODEL_TYPE = "dflash2"  # `speculators_model_type`
-ARCHITECTURE = "DFlash2DraftModel"
-# DFlash2's own tensors beside DFlash's backbone (its convolutions sit under `layers.`).
-HEAD_PREFIXES = ("candidate_selector.",)
-KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def is_dflash2_config(fields: dict[str, Any]) -> bool:
@@ -70,15 +70,6 @@ def config_dict(config: DSpineConfig, dtype: torch.dtype,
     return out
 
 
-def is_dflash2_key(name: str) -> bool:
-    """Whether state-dict key `name` is part of a DFlash2 checkpoint (backbone, convolutions
-    or selector)."""
-    return dflash.is_backbone_key(name) or name.startswith(HEAD_PREFIXES)
-
-
-def state_dict(draft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The backbone, convolution and selector tensors of a DFlash2 draft's state dict."""
-    return {k: v.detach().contiguous() for k, v in draft_state.items() if is_dflash2_key(k)}
 
 
 # ---------------------------------------------------------------------------- reading
@@ -145,18 +136,7 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
 
 def import_dflash2(directory: str | Path) -> DSpineDraftModel:
     """A speculators DFlash2 checkpoint as a `method: dflash2` `DSpineDraftModel`, every key and
-    tensor checked; in the dtype of its `fc.weight`. DSpine's own parts (`injection.*`,
-    `token_codes`), unused by a DFlash2 draft, keep their initial values."""
+    tensor checked (`dflash2.read_draft`)."""
     directory = Path(directory)
-    config = config_from_dict(dflash.read_config(directory), str(directory))
-    draft = DSpineDraftModel(config)
-    expected = draft.state_dict()
-    tensors = dflash.read_tensors(directory)
-    unexpected = sorted(k for k in tensors if k not in expected or not is_dflash2_key(k))
-    missing = sorted(k for k in expected if is_dflash2_key(k) and k not in tensors)
-    mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
-                        for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
-    dflash.check_weights(directory, missing, unexpected, mismatched)
-    draft.load_state_dict(tensors, strict=False)
-    draft.config._name_or_path = str(directory)
-    return draft.to(tensors["fc.weight"].dtype).eval()
+    return dflash2.read_draft(directory,
+                              config_from_dict(dflash.read_config(directory), str(directory)))

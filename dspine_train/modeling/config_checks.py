@@ -38,6 +38,10 @@ def check_settings(config: DSpineConfig) -> None:
         if getattr(config, name) not in allowed:
             raise ValueError(f"{name} must be one of {list(allowed)}, "
                              f"got {getattr(config, name)!r}")
+    if config.sliding_window is not None and config.sliding_window < config.block_size:
+        raise ValueError(f"sliding_window ({config.sliding_window}) must be >= block_size "
+                         f"({config.block_size}): a window narrower than the block would hide "
+                         "the block's own slots")
     check_dspark(config)
     check_domino(config)
     check_dflash2(config)

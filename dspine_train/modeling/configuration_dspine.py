@@ -119,6 +119,8 @@ class DSpineConfig(PreTrainedConfig):
             for the fields it fixes (`METHOD_FREE_FIELDS`: those it leaves open). These fields
             default to None ("the method's value").
         block_attention: "causal" (DSpine) or "bidirectional" (DFlash) attention inside a block.
+        sliding_window: W, every layer's window (z-lab's `sliding_attention` layers): a query
+            at position p sees the context positions j with p - j < W; None sees all of them.
         injection: gated adjacent injection (METHOD 2.2); False alone is DSpine without injection
             (`method: dflash` is plain DFlash).
         transfer_dim: r, the dimension of the token codes / prediction features.
@@ -215,6 +217,7 @@ class DSpineConfig(PreTrainedConfig):
         "domino_prefix_len": None, "domino_shift_label": None, "domino_lambda_start": 1.0,
         "domino_lambda_decay_ratio": 0.5, "conv_kernel_size": None, "conv_group_size": None,
         "selector_rank": None, "selector_top_k": None, "selector_weight": 1.0,
+        "sliding_window": None,
     }
     # Kept for the PreTrainedConfig convention only: the draft has no embedding or head of its
     # own to tie (it borrows the target's).
@@ -245,6 +248,7 @@ class DSpineConfig(PreTrainedConfig):
     mask_token_id: int | None = None
     method: Literal["dspine", "dflash", "dspark", "domino", "dflash2"] = "dspine"
     block_attention: Literal["causal", "bidirectional"] | None = None
+    sliding_window: int | None = None
 
     # DSpine parts (METHOD 2.1-2.4).
     injection: bool | None = None

@@ -417,7 +417,7 @@ class DSpineDraftModel(MethodHeads, DSpinePreTrainedModel):
             check_flex_usable(input_ids.device, needs_grad)
         causal = cfg.block_attention == "causal"
         build_mask = flex_training_mask if use_flex else dense_training_mask
-        mask = build_mask(anchors, seq_len, bk, causal)
+        mask = build_mask(anchors, seq_len, bk, causal, cfg.sliding_window)
 
         anchor_codes = self.token_features(anchor_ids).to(dtype)  # (B, A, r)
         true_pred_codes = None
@@ -552,7 +552,8 @@ class DSpineDraftModel(MethodHeads, DSpinePreTrainedModel):
         pos = cache.lengths[:, None] + torch.arange(bk, device=anchor_ids.device)  # (B, Bk)
         cos, sin = self.rotary_emb(pos, dtype)
         kv_len = cache.capacity if kv_len is None else min(kv_len, cache.capacity)
-        mask = inference_block_mask(cache.lengths, kv_len, bk, cfg.block_attention == "causal")
+        mask = inference_block_mask(cache.lengths, kv_len, bk, cfg.block_attention == "causal",
+                                    cfg.sliding_window)
         anchor_codes = self.token_features(anchor_ids).to(dtype)  # (B, r)
         stack = run_layer_stack(
             self.layers, self.injection, cfg, hidden, cos, sin,

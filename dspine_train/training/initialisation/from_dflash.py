@@ -40,7 +40,7 @@ from ..errors import TrainingError
 
 # Structure fields: the checkpoint's unless the recipe sets them (then they must agree).
 STRUCTURE_FIELDS = ("num_layers", "target_layer_ids", "block_size", "mask_token_id",
-                    "attention_bias")
+                    "attention_bias", "sliding_window")
 # Fields the draft takes from the target; the checkpoint must have been made for the same one.
 TARGET_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",

@@ -1,5 +1,5 @@
 """`model.init_from` = a draft export (ours; SpecForge's DSpine or Domino; a DSpark or DFlash2
-checkpoint in speculators' or DeepSpec's format): training continues from it.
+checkpoint in speculators', DeepSpec's or z-lab's format): training continues from it.
 
 The export's weights fix its structure (`STRUCTURE_FIELDS`: what the weights' shapes or meaning
 depend on). The recipe leaves such a field unset (the export's value is taken) or sets the

@@ -1,4 +1,4 @@
-"""Side-by-side runs of our DFlash draft and z-lab's reference client (`dflash` package).
+"""Side-by-side runs of our DFlash (or DFlash2) draft and z-lab's reference client (`dflash`).
 
 Used by `tests/test_dflash_format.py` (tiny target) and `scripts/dflash_roundtrip.py` (a real
 target). Nothing here imports `dflash`: the reference model is passed in, so the package stays
@@ -72,7 +72,8 @@ def record_engine_rounds(engine: Engine) -> list[tuple[int, int, list[int]]]:
 
 
 def record_reference_rounds(model: Any) -> list[tuple[int, int, list[int]]]:
-    """The same for the reference model (one recording per model instance)."""
+    """The same for the reference model (one recording per model instance): the argmax of
+    its slot logits, or a DFlash2's selector walk (`propose`)."""
     rounds: list[tuple[int, int, list[int]]] = []
 
     def hook(module, args, kwargs):  # noqa: ANN001, ANN202, ARG001 - forward pre-hook
@@ -80,6 +81,16 @@ def record_reference_rounds(model: Any) -> list[tuple[int, int, list[int]]]:
         rounds.append((int(kwargs["position_ids"][0, -size]), size, []))
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
+    if hasattr(model, "propose"):  # DFlash2: the selector's walk drafts the tokens
+        propose = model.propose
+
+        def walk(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - propose's
+            out = propose(*args, **kwargs)
+            rounds[-1][2].extend(out[0][0].tolist())
+            return out
+
+        model.propose = walk
+        return rounds
     compute = model.compute_logits
 
     def logits(hidden, head):  # noqa: ANN001, ANN202 - compute_logits'
