@@ -135,6 +135,19 @@ def tiny_draft(hf_model, used_vocab_size: int, seed: int = 0, **overrides):
     return DSpineDraftModel(config).eval()
 
 
+def zlab_draft_config(target: transformers.PretrainedConfig, num_layers: int,
+                      **fields: Any) -> transformers.Qwen3Config:
+    """The Qwen3 config of a draft made by z-lab's own classes (`dflash` package) for the
+    tiny `target`: its shapes, `num_layers` layers, and `fields` (`dflash_config`, ...)."""
+    return transformers.Qwen3Config(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+        rms_norm_eps=target.rms_norm_eps, max_position_embeddings=target.max_position_embeddings,
+        rope_parameters=dict(target.rope_parameters), **fields)
+
+
 def nontrivial_dflash2(draft):
     """Norms off one, convolutions off the identity (static and dynamic taps on both sides) and
     a selector large enough to reorder candidates, so a misplaced norm or tap, a shifted

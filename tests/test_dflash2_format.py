@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-import transformers
 from _engine_helpers import (
     build_tiny_target,
     build_tokenizer,
@@ -22,6 +21,7 @@ from _engine_helpers import (
     hf_greedy,
     nontrivial_dflash2,
     tiny_draft,
+    zlab_draft_config,
 )
 from device_harness import DEVICE_TYPE, accelerator
 from dflash.model import DFlash2DraftModel, DFlashDraftModel
@@ -195,14 +195,9 @@ def test_a_zlab_dflash2_draft_imports_and_converts_back_bit_for_bit(world, tmp_p
     """A DFlash2 made by z-lab's class, as SpecForge publishes them (every layer sliding,
     `is_causal: false`), imports as a `method: dflash2` draft with its window, computes its
     logits, and goes to our format and back to z-lab's with the same tensors and keys."""
-    hf, target = world["hf"], world["hf"].config
-    config = transformers.Qwen3Config(
-        vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size, num_hidden_layers=2,
-        num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-        rms_norm_eps=target.rms_norm_eps, max_position_embeddings=target.max_position_embeddings,
-        rope_parameters=dict(target.rope_parameters), num_target_layers=6, is_causal=False,
+    hf = world["hf"]
+    config = zlab_draft_config(
+        hf.config, 2, num_target_layers=6, is_causal=False,
         use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2,
         layer_types=["sliding_attention"] * 2,
         dflash_config={"target_layer_ids": [1, 4], "mask_token_id": VOCAB, "block_size": BLOCK,

@@ -21,6 +21,7 @@ from _engine_helpers import (
     hf_greedy,
     tiny_draft,
     train_draft_briefly,
+    zlab_draft_config,
 )
 from dflash.model import DFlashDraftModel
 from safetensors.torch import load_file
@@ -213,16 +214,9 @@ def test_reference_spec_generate_with_our_draft_is_lossless_and_accepts_as_our_e
 
 def test_draft_made_by_the_reference_class_imports_here(world, tmp_path):
     root, hf = world["root"], world["hf"]
-    target = hf.config
-    config = transformers.Qwen3Config(
-        vocab_size=target.vocab_size, hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size, num_hidden_layers=3,
-        num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
-        rms_norm_eps=target.rms_norm_eps, max_position_embeddings=target.max_position_embeddings,
-        rope_parameters=dict(target.rope_parameters), num_target_layers=6,
-        dflash_config={"target_layer_ids": [0, 2, 4], "mask_token_id": VOCAB, "block_size": 4},
-    )
+    config = zlab_draft_config(
+        hf.config, 3, num_target_layers=6,
+        dflash_config={"target_layer_ids": [0, 2, 4], "mask_token_id": VOCAB, "block_size": 4})
     torch.manual_seed(3)
     theirs = DFlashDraftModel(config).eval()
     with torch.no_grad():  # non-trivial norms, so a misplaced norm shows

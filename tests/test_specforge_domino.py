@@ -116,6 +116,8 @@ def _edited(world, tmp_path, edit_config=None, edit_tensors=None):
     (lambda f: f["dflash_config"].pop("gru_hidden_dim"), "gru_hidden_dim"),
     (lambda f: f["dflash_config"].update(shift_label="yes"), "shift_label"),
     (lambda f: f.update(layer_types=["sliding_attention"] * 3), "layer_types"),
+    (lambda f: f.update(layer_types=["sliding_attention"] * 3, use_sliding_window=True,
+                        sliding_window=64, is_causal=False), "sliding_window=64"),
 ])
 def test_keys_this_project_does_not_run_are_refused_by_name(world, tmp_path, edit, match):
     with pytest.raises(FormatError, match=match):

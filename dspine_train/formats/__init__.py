@@ -135,61 +135,39 @@ def write_format(draft: DSpineDraftModel, directory: Path, fmt: str,
             f"{source}: a pruned-vocabulary draft (draft_vocab_size="
             f"{draft.config.draft_vocab_size}, its d2t map) cannot be exported with --format "
             f"{fmt}: that format has no draft-to-target id map; export it with --format dspine")
-    if fmt == "specforge" and draft.config.method == "domino":
-        specforge_domino.check_exportable(draft.config, source)
-        tensors = specforge_domino.state_dict(state)
-        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        write_json_atomic(directory / "config.json",
-                          specforge_domino.config_dict(draft.config, tensors["fc.weight"].dtype),
-                          indent=2, sort_keys=True)
-        return
-    if fmt == "specforge":
-        specforge.check_exportable(draft.config, source)
-        tensors = specforge.state_dict(state)
-        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        write_json_atomic(directory / "config.json",
-                          specforge.config_dict(draft.config, state["fc.weight"].dtype),
-                          indent=2, sort_keys=True)
-        return
-    if fmt == "deepspec":
-        check_exportable(draft.config, source, fmt)
-        tensors = speculators_dspark.state_dict(state)  # the same tensors, the same names
-        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        write_json_atomic(directory / "config.json",
-                          deepspec.config_dict(draft.config, tensors["fc.weight"].dtype),
-                          indent=2, sort_keys=True)
-        return
-    if fmt == "dflash" and draft.config.method == "dflash2":  # z-lab's own DFlash2 format
-        tensors = dflash2.state_dict(state)
-        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        write_json_atomic(directory / "config.json",
-                          dflash2.config_dict(draft.config, tensors["fc.weight"].dtype),
-                          indent=2, sort_keys=True)
-        return
-    dspark = fmt == "speculators" and draft.config.method == "dspark"
-    with_selector = fmt == "speculators" and draft.config.method == "dflash2"
-    check_exportable(draft.config, source, fmt)  # refused before anything is written
-    if fmt == "speculators":  # and the verifier checked
-        target = speculators.verifier_block(draft.config, verifier, source)
-    # the same backbone tensors in every DFlash-family format; a DSpark's heads or a DFlash2's
-    # selector beside them
-    if dspark:
-        tensors = speculators_dspark.state_dict(state)
-    elif with_selector:
-        tensors = speculators_dflash2.state_dict(state)
-    else:
-        tensors = dflash.state_dict(state)
+    tensors, fields = format_files(draft.config, state, fmt, source, verifier)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    dtype = tensors["fc.weight"].dtype
-    if dspark:
-        fields = speculators_dspark.config_dict(draft.config, dtype, target)
-    elif with_selector:
-        fields = speculators_dflash2.config_dict(draft.config, dtype, target)
-    elif fmt == "speculators":
-        fields = speculators.config_dict(draft.config, dtype, target)
-    else:
-        fields = dflash.config_dict(draft.config, dtype)
     write_json_atomic(directory / "config.json", fields, indent=2, sort_keys=True)
+
+
+def format_files(config: DSpineConfig, state: dict[str, torch.Tensor], fmt: str, source: str,
+                 verifier: str | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and `config.json` fields of a draft with `config` and weights `state` in
+    `fmt` (any format but dspine), the draft checked first (`FormatError`). The DFlash-family
+    formats share the backbone tensors; a DSpark's heads or a DFlash2's selector sit beside."""
+    if fmt == "specforge" and config.method == "domino":
+        specforge_domino.check_exportable(config, source)
+        tensors = specforge_domino.state_dict(state)
+        return tensors, specforge_domino.config_dict(config, tensors["fc.weight"].dtype)
+    if fmt == "specforge":
+        specforge.check_exportable(config, source)
+        return specforge.state_dict(state), specforge.config_dict(config, state["fc.weight"].dtype)
+    check_exportable(config, source, fmt)  # refused before anything is written
+    dtype = state["fc.weight"].dtype
+    if fmt == "deepspec":  # the same tensors as speculators' DSpark, the same names
+        return speculators_dspark.state_dict(state), deepspec.config_dict(config, dtype)
+    if fmt == "dflash" and config.method == "dflash2":  # z-lab's own DFlash2 format
+        return dflash2.state_dict(state), dflash2.config_dict(config, dtype)
+    if fmt == "dflash":
+        return dflash.state_dict(state), dflash.config_dict(config, dtype)
+    target = speculators.verifier_block(config, verifier, source)  # the verifier checked
+    if config.method == "dspark":
+        return (speculators_dspark.state_dict(state),
+                speculators_dspark.config_dict(config, dtype, target))
+    if config.method == "dflash2":
+        return (speculators_dflash2.state_dict(state),
+                speculators_dflash2.config_dict(config, dtype, target))
+    return dflash.state_dict(state), speculators.config_dict(config, dtype, target)
 
 
 def check_exportable(config: DSpineConfig, source: str, fmt: str) -> None:

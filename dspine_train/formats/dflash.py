@@ -270,8 +270,9 @@ def sliding_window(qwen: Qwen3Config, fields: dict[str, Any], unsupported: list[
     if kinds != {"sliding_attention"}:
         unsupported.append(f"layer_types={sorted(kinds)} (full and sliding layers in one draft)")
     elif not isinstance(qwen.sliding_window, int) or qwen.sliding_window < 1:
-        unsupported.append(f"sliding_window={qwen.sliding_window!r} with sliding_attention "
-                           "layers (use_sliding_window true and a window >= 1 expected)")
+        unsupported.append(f"layer_types={sorted(kinds)} with sliding_window="
+                           f"{qwen.sliding_window!r} (use_sliding_window true and a window >= 1 "
+                           "expected)")
     elif fields.get("is_causal") is None:
         unsupported.append("sliding_attention layers without is_causal (z-lab's loader makes "
                            "them causal; is_causal: false is the bidirectional block)")

@@ -136,6 +136,9 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     plain["dflash_config"] = {k: v for k, v in block.items() if k in DFLASH_KEYS
                               and k != "projector_type"}
     base = dflash.config_from_dict(plain, source)
+    if base.sliding_window is not None:  # SpecForge's Domino window is not checked here
+        raise FormatError(f"{source}: config.json sets sliding_attention layers (sliding_window="
+                          f"{base.sliding_window}), which this project's Domino does not read")
     own = {name: getattr(base, name) for name in DSpineConfig.own_fields()}
     own.update(method="domino", **domino)
     try:
