@@ -8,10 +8,13 @@ attention (`attention_items`), in the notation of the package docstring
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PretrainedConfig
 
+from ...modeling.method_presets import METHOD_PRESETS
 from .parameters import attention_dims, text_config
 from .plan import ATTENTION_PATHS, MemoryItem
 
@@ -31,7 +34,8 @@ class ActivationElements:
         rope: per position, once: the RoPE cos and sin (block slots and context positions).
         context: per context position, once: the fused context features.
         context_layer: per context position per draft layer: the context keys and values.
-        supervised: per supervised slot (at most b*A*(B-1)): the objective outside its chunks.
+        supervised: per supervised slot (at most b*A*(B-1), b*A*B when the anchor slot
+            predicts): the objective outside its chunks, the method's heads included.
     """
 
     layer: int
@@ -50,8 +54,10 @@ def draft_activation_elements(
     message_size: int,
     candidate_k: int,
     param_dtype_bytes: int,
+    method_fields: Mapping[str, Any] | None = None,
 ) -> ActivationElements:
-    """What autograd keeps per slot / position in the draft's training forward and objective.
+    """What autograd keeps per slot / position in the draft's training forward and objective,
+    for a draft of `method_fields` (`parameters.method_fields_of`; None: DSpine).
 
     f = 4 / p: the draft's RMSNorms (and the injection's rms) compute in fp32, so with 2-byte
     parameters every norm keeps an fp32 copy of its input (f = 2 units per element); in fp32
@@ -81,6 +87,21 @@ def draft_activation_elements(
                        + (f + 1)H + K*H         its final norm and the K gathered head rows
                        + 2N*f*r                 fp32 features and label codes (alignment)
                        + 2*8/p + 8f             int64 labels, fp32 per-slot scores and terms
+
+    The other methods run no injection and neither refinement nor alignment (supervised: the
+    hidden rows, labels and per-slot terms only); the training forward still reads each
+    layer's features out (`layer_stack`: r + 1, the readout and its norm, per drafted slot per
+    layer, and once more for the last layer's), and they add their own:
+
+        layer          + 8k H                   DFlash2: per sublayer (attention, MLP) the
+                                                input-side and output-side convolutions keep
+                                                k taps' coefficients and k-1 shifted copies
+                                                each, and the convolved input and sublayer
+                                                output that the next products read: 4k H
+        supervised     + 9G                     Domino: the GRU's states gathered for the loss
+                                                and, per step, its input and hidden gates and
+                                                states (DSpark's heads and DFlash2's selector
+                                                run inside the loss chunks only)
     """
     cfg = text_config(target_config)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -89,19 +110,27 @@ def draft_activation_elements(
     r, m, k, p = transfer_dim, message_size, candidate_k, param_dtype_bytes
     f = 4 // p
     norm = f * hidden + 2 * hidden
+    method = dict(METHOD_PRESETS[(method_fields or {}).get("method", "dspine")])
+    method.update(method_fields or {})
+    layer = 2 * norm + (f + 4) * q_dim + (f + 3) * kv_dim + 4 * inter
+    supervised = 2 * hidden + 2 * 8 // p + 8 * f
+    if method["refine_weight"] or method["alignment_weight"]:  # DSpine's own terms
+        supervised += ((f + 1) * hidden + 2 * r + 3 * m + (f + 1) * hidden + k * hidden
+                       + 2 * draft_num_layers * f * r)
+    layer += 8 * method["conv_kernel_size"] * hidden  # DFlash2's convolutions
+    supervised += 9 * method["domino_gru_hidden_dim"]  # Domino's GRU
+    if method["injection"]:
+        injection = 2 * hidden + 2 * r + 2 * r + 3 * m + (f + 1) * hidden
+    else:  # the features read out after each layer, and the last layer's again
+        injection = r + 1
+        supervised += r + 1
     return ActivationElements(
-        layer=2 * norm + (f + 4) * q_dim + (f + 3) * kv_dim + 4 * inter,
-        injection=2 * hidden + 2 * r + 2 * r + 3 * m + (f + 1) * hidden,
+        layer=layer,
+        injection=injection,
         rope=2 * head_dim,
         context=norm,
         context_layer=(f + 3) * kv_dim,
-        supervised=(
-            2 * hidden
-            + (f + 1) * hidden + 2 * r + 3 * m
-            + (f + 1) * hidden + k * hidden
-            + 2 * draft_num_layers * f * r
-            + 2 * 8 // p + 8 * f
-        ),
+        supervised=supervised,
     )
 
 

@@ -241,6 +241,7 @@ def estimate_memory(
     act = draft_activation_elements(
         cfg, draft_num_layers=draft_num_layers, transfer_dim=transfer_dim,
         message_size=message_size, candidate_k=candidate_k, param_dtype_bytes=p,
+        method_fields=method_fields,
     )
     drafted = micro_batch_size * num_anchors * (block_size - 1)  # b*A*(B-1), slots 1..B-1
     method = (method_fields or {}).get("method")
@@ -284,8 +285,9 @@ def estimate_memory(
         MemoryItem(
             "loss activations (supervised slots)",
             predicted * act.supervised * p,
-            f"b*A*{per_block} * {act.supervised / hidden:.2f} H * {p} B (K = {candidate_k} head rows "
-            "per slot for the refinement term among them)",
+            f"b*A*{per_block} * {act.supervised / hidden:.2f} H * {p} B"
+            + (f" (K = {candidate_k} head rows per slot for the refinement term among them)"
+               if (method or "dspine") == "dspine" else ""),
         ),
         MemoryItem(
             "loss chunk (full-vocabulary logits)",
