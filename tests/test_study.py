@@ -337,8 +337,9 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
         assert float(cells[2].removesuffix(" h")) == rec.train_wall_s / 3600
         assert int(cells[3]) == len(result.accepted)
         assert float(cells[4].split(" ± ")[0]) == pytest.approx(result.tau, abs=5e-4)
-        assert float(cells[7]) == rec.final_losses["candidate_coverage"]
-        assert float(cells[8]) == rec.final_losses["loss"]
+        assert float(cells[5]) == pytest.approx(result.tau - 1, abs=5e-4)  # accepted drafts
+        assert float(cells[8]) == rec.final_losses["candidate_coverage"]
+        assert float(cells[9]) == rec.final_losses["loss"]
     assert "bfloat16" in text and "abc123" in text and "python scripts/study.py run" in text
     assert text.startswith("# Training study on the target (2026-12-02)")  # no target recorded
     assert "misses the aim of 1.6" not in text and "DSpine / DFlash" in text

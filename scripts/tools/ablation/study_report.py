@@ -113,7 +113,8 @@ def _final_cells(r: StudyRecord) -> list[str]:
                 else "NO")
     losses = r.final_losses or {}
     return [r.variant, r.steps, _hours(r.train_wall_s), s["blocks"],
-            f"{_f(s['tau'])} ± {_f(s['tau_se'], 4)} ({_f(s['tau_se_row'], 4)})", diff,
+            f"{_f(s['tau'])} ± {_f(s['tau_se'], 4)} ({_f(s['tau_se_row'], 4)})",
+            _f(s["tau"] - 1.0), diff,
             _outside(paired) if paired else "-", _f(losses.get("candidate_coverage")),
             _f(losses.get("loss")), engine_tau, lossless]
 
@@ -176,7 +177,7 @@ def markdown(records: list[StudyRecord], meta: dict[str, Any],
 
     lines += ["## Final results", ""]
     lines += table(["variant", "steps", "train wall", "blocks", "simulated tau",
-                    "vs dspine (paired)", "outside 1 SE", "coverage", "loss",
+                    "accepted drafts / block", "vs dspine (paired)", "outside 1 SE", "coverage", "loss",
                     "engine tau (greedy)", "lossless"], [_final_cells(r) for r in records])
     lines += ["", "## Acceptance per position (held-out, share of blocks accepting the first k "
               "drafts)", ""]
