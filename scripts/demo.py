@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "target answers the prompts in the dtype the engine evaluates in "
                            "(float32 on a CPU, bfloat16 on CUDA), so that its answers are the "
                            "engine's own greedy ones")
+    data.add_argument("--answer-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                      help="the target's dtype when it answers the prompts. auto: the dtype "
+                           "the engine evaluates in, so the answers are its greedy ones; "
+                           "bfloat16 on a CPU reproduces demos made before answers followed "
+                           "the engine (their simulated tau, with a warning that some answers "
+                           "are not the engine's)")
     data.add_argument("--regen-batch-size", type=int, default=16,
                       help="answers generated together (16 measured fastest on 2 cores)")
     data.add_argument("--eval-fraction", type=float, default=0.1,

@@ -59,9 +59,11 @@ def test_auto_resolves_by_the_machine(monkeypatch: pytest.MonkeyPatch, native: b
     demo.resolve_dtype(args)
     assert args.dtype == expected
     assert args.serve_dtype == "float32"  # answers and engine: the CPU's bit-exact dtype
-    pinned = _args("--dtype", "float32")
+    assert args.answer_dtype == "float32"
+    pinned = _args("--dtype", "float32", "--answer-dtype", "bfloat16")
     demo.resolve_dtype(pinned)
     assert pinned.dtype == "float32"  # an explicit choice is kept
+    assert (pinned.answer_dtype, pinned.serve_dtype) == ("bfloat16", "float32")
 
 
 @pytest.mark.parametrize(("dtype", "precision"), [("bfloat16", "bf16"), ("float32", "fp32")])

@@ -37,7 +37,7 @@ SPECS: dict[str, StageSpec] = {
         "num_prompts": a.num_prompts, "files": [str(p) for p in a.prompts],
         "max_prompt_chars": a.max_prompt_chars}, ("data/prompts.jsonl", "data/split.json")),
     "regenerate": StageSpec(("prompts",), lambda a: {
-        "max_new_tokens": a.max_new_tokens, "temperature": 0.0, "dtype": a.serve_dtype},
+        "max_new_tokens": a.max_new_tokens, "temperature": 0.0, "dtype": a.answer_dtype},
         ("data/regenerated",)),
     "tokenize": StageSpec(("regenerate",), lambda a: {"eval_fraction": a.eval_fraction,
                                                        "max_length": 1024},

@@ -46,6 +46,8 @@ def resolve_dtype(args: argparse.Namespace) -> None:
     target rounds a one-row decode step and a multi-row verify differently at near-ties
     (docs/results/demo_2026-12-02), and bfloat16 on CUDA.
 
+    `args.answer_dtype` (`--answer-dtype`): the answers' dtype, `serve_dtype` unless set.
+
     `args.dtype` (`--dtype`): the cached features and the draft's training precision; `auto`
     is the dtype this machine runs fastest (bf16 where it computes bf16 natively).
     """
@@ -53,6 +55,8 @@ def resolve_dtype(args: argparse.Namespace) -> None:
 
     cuda = torch.cuda.is_available()
     args.serve_dtype = "bfloat16" if cuda else "float32"
+    if getattr(args, "answer_dtype", "auto") == "auto":
+        args.answer_dtype = args.serve_dtype
     if args.dtype != "auto":
         return
     from data_prep.backends.local import native_bf16
@@ -61,7 +65,7 @@ def resolve_dtype(args: argparse.Namespace) -> None:
     args.dtype = "bfloat16" if native_bf16(device) else "float32"
     print(f"[demo] --dtype auto: {args.dtype} for the features and the training ({device.type}"
           f"{', native bf16' if args.dtype == 'bfloat16' else ', no native bf16'}); answers "
-          f"and the engine in {args.serve_dtype}", flush=True)
+          f"in {args.answer_dtype}, the engine in {args.serve_dtype}", flush=True)
 
 
 def resolve_draft_shape(args: argparse.Namespace) -> None:

@@ -83,20 +83,21 @@ def stage_prompts(demo: Demo) -> dict[str, Any]:
 
 def stage_regenerate(demo: Demo) -> dict[str, Any]:
     """The target answers each prompt greedily (so the trainer's simulated tau is exact), in
-    the dtype the engine evaluates in (so the answers are the engine's greedy ones)."""
+    `--answer-dtype`: by default the dtype the engine evaluates in (so the answers are the
+    engine's greedy ones)."""
     from data_prep.regenerate import greedy_local_job, run_regeneration, summary_line
 
     args = demo.args
     data = greedy_local_job(
         demo.path("data", "prompts.jsonl"), demo.target, demo.path("data", "regenerated"),
         max_new_tokens=args.max_new_tokens, batch_size=args.regen_batch_size,
-        dtype=args.serve_dtype)
+        dtype=args.answer_dtype)
     report = run_regeneration(data)
     print(summary_line(report))
     if report["done"] == 0:
         raise DemoError(f"regeneration produced no row; see {data.regenerate.output_dir}")
     return {**{k: report[k] for k in ("input", "done", "failed", "skipped",
-                                      "completion_tokens")}, "dtype": args.serve_dtype}
+                                      "completion_tokens")}, "dtype": args.answer_dtype}
 
 
 def stage_tokenize(demo: Demo) -> dict[str, Any]:
