@@ -244,9 +244,12 @@ def render_model_card(
         "",
     ]
     if method in SERVER_FORMATS:
+        # a sliding-window DFlash or DFlash2 goes in z-lab's format (speculators' windows differ)
+        fmt = "dflash" if config.get("sliding_window") and method in ("dflash", "dflash2") \
+            else SERVER_FORMATS[method]
         lines[-1:-1] = [
             f"For vLLM or SGLang, write it in the format they read with `python -m "
-            f"dspine_train.export THIS_DRAFT OUT --format {SERVER_FORMATS[method]}` (the "
+            f"dspine_train.export THIS_DRAFT OUT --format {fmt}` (the "
             "serving commands: docs/SERVING.md in the repository).",
             "",
         ]

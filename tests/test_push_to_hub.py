@@ -275,6 +275,14 @@ def test_the_card_says_which_method_the_draft_is_and_how_servers_read_it(tmp_pat
     assert (command in body) == (fmt is not None)
 
 
+def test_a_windowed_dflash2_card_names_the_format_that_keeps_its_window(tmp_path):
+    info = hub.ExportInfo(tmp_path, {"model_type": "dspine", "method": "dflash2",
+                                     "block_size": 8, "sliding_window": 2048},
+                          ["model.safetensors"], 3, 100, None, {})
+    body = ModelCard(hub.render_model_card(info, repo_id="org/name")).text
+    assert "--format dflash`" in body and "--format speculators" not in body
+
+
 def test_a_metric_holding_a_pipe_keeps_its_row_of_the_card(tmp_path, hf_env):
     """A `|` in an eval_results value must not split the card's metric row into 3 cells."""
     export = make_export(tmp_path / "export")
