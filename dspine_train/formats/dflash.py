@@ -211,8 +211,18 @@ def config_from_dict(fields: dict[str, Any], source: str, architecture: str = AR
         qwen = Qwen3Config(**{k: v for k, v in fields.items() if k != "dflash_config"})
     except (TypeError, ValueError) as err:
         raise FormatError(f"{source}: config.json is not a Qwen3 config: {err}") from err
-    if fields.get("is_causal"):
+    if fields.get("is_causal") or block.get("causal"):
         unsupported.append("is_causal=True (a causal DFlash block)")
+    # what vLLM's DFlash layers read beside z-lab's keys (`qwen3_dflash.py`): windows and sink
+    # biases this network has not, a rotary layout other than neox
+    for key, plain in (("use_swa", False), ("swa_window_size", None),
+                       ("attention_sink_bias", False)):
+        if block.get(key, plain) not in (plain, None):
+            unsupported.append(f"dflash_config.{key}={block[key]!r}")
+    if fields.get("add_swa_attention_sink_bias"):
+        unsupported.append("add_swa_attention_sink_bias=True")
+    if fields.get("is_neox_style", True) is not True:
+        unsupported.append(f"is_neox_style={fields['is_neox_style']!r}")
     window = sliding_window(qwen, fields, unsupported)
     if unsupported:
         raise FormatError(f"{source}: config.json sets {', '.join(unsupported)}, which this "
