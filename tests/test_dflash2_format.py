@@ -234,6 +234,23 @@ def test_a_zlab_dflash2_draft_imports_and_converts_back_bit_for_bit(world, tmp_p
     assert back["dflash_config"] == {**config.dflash_config, "num_target_layers": 6}
 
 
+def test_a_warm_start_from_a_windowed_dflash_keeps_its_window(world):
+    """`model.init_from` = a windowed DFlash checkpoint: the window is part of the structure the
+    run takes (`from_dflash.STRUCTURE_FIELDS`), and a recipe that sets another is refused."""
+    from dspine_train.training.errors import TrainingError
+    from dspine_train.training.initialisation.from_dflash import (
+        dflash_checkpoint,
+        structure_overrides,
+    )
+
+    source = str(world["root"] / "dflash_window_zlab")
+    checkpoint = dflash_checkpoint(source)
+    assert (checkpoint.method, checkpoint.sliding_window) == ("dflash", WINDOW)
+    assert structure_overrides({}, checkpoint, source)["sliding_window"] == WINDOW
+    with pytest.raises(TrainingError, match=r"model\.sliding_window=64 \(the checkpoint has 6\)"):
+        structure_overrides({"sliding_window": 64}, checkpoint, source)
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda f, t: f["dflash_config"].pop("selector_rank"), r"no dflash_config\.selector_rank"),
     (lambda f, t: f.update(layer_types=["sliding_attention", "full_attention"]),
