@@ -234,8 +234,8 @@ def test_adjacent_chain_unrolls_along_depth(target, batch):
     # cut every intra-block attention path except a slot's own, to isolate the injection chain
     from dspine_train.modeling import attention_masks as am
 
-    def no_block_mixing(anchors_, seq_len, bk, causal):
-        mask = am.dense_training_mask(anchors_, seq_len, bk, causal)
+    def no_block_mixing(anchors_, seq_len, bk, causal, window=None):
+        mask = am.dense_training_mask(anchors_, seq_len, bk, causal, window)
         q = mask.shape[-2]
         blk = mask[..., seq_len:]
         mask[..., seq_len:] = blk & torch.eye(q, dtype=torch.bool)
