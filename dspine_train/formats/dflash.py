@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -321,14 +322,24 @@ def check_weights(source: str | Path, missing: list[str], unexpected: list[str],
                           + "; ".join(problems) + ")")
 
 
+def check_tensors(source: str | Path, tensors: dict[str, torch.Tensor],
+                  expected: dict[str, torch.Tensor], is_key: Callable[[str], bool],
+                  optional: tuple[str, ...] = ()) -> None:
+    """`FormatError` (`check_weights`) unless `tensors` holds every key of the draft's state dict
+    `expected` that the format carries (`is_key`), the `optional` ones of `expected` at most
+    besides, and each with its shape in `expected`."""
+    allowed = {k for k in expected if is_key(k) or k in optional}
+    unexpected = sorted(k for k in tensors if k not in allowed)
+    missing = sorted(k for k in expected if is_key(k) and k not in tensors)
+    mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
+                        for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
+    check_weights(source, missing, unexpected, mismatched)
+
+
 def read_backbone(directory: str | Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The backbone tensors of the DFlash checkpoint at `directory` (every `*.safetensors`),
     checked against a draft's state dict `expected`: every backbone tensor present with its
     shape and nothing else, or `FormatError` naming the missing, unexpected and mismatched."""
     tensors = read_tensors(directory)
-    unexpected = sorted(k for k in tensors if k not in expected or not is_backbone_key(k))
-    missing = sorted(k for k in expected if is_backbone_key(k) and k not in tensors)
-    mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
-                        for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
-    check_weights(directory, missing, unexpected, mismatched)
+    check_tensors(directory, tensors, expected, is_backbone_key)
     return tensors

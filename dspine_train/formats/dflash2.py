@@ -75,12 +75,12 @@ def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     """A `method: dflash2` `DSpineConfig` for z-lab's DFlash2 `config.json`; `FormatError`
     names every key this project does not run, and each of DFlash2's keys it lacks."""
     block = dict(fields.get("dflash_config") or {})
-    missing = [key for key in KEYS if block.get(key, fields.get(key)) is None]
+    settings = {key: block.get(key, fields.get(key)) for key in KEYS}
+    missing = [key for key, value in settings.items() if value is None]
     if missing:
         raise FormatError(f"{source}: config.json has no dflash_config.{', '.join(missing)} "
                           "(z-lab's DFlash2 reads them there)")
-    return dflash.config_from_dict(fields, source, ARCHITECTURE, "dflash2",
-                                   **{key: block.get(key, fields.get(key)) for key in KEYS})
+    return dflash.config_from_dict(fields, source, ARCHITECTURE, "dflash2", **settings)
 
 
 def read_draft(directory: str | Path, config: DSpineConfig) -> DSpineDraftModel:
@@ -91,11 +91,7 @@ def read_draft(directory: str | Path, config: DSpineConfig) -> DSpineDraftModel:
     draft = DSpineDraftModel(config)
     expected = draft.state_dict()
     tensors = {ZLAB_SAVED_NAMES.get(k, k): v for k, v in dflash.read_tensors(directory).items()}
-    unexpected = sorted(k for k in tensors if k not in expected or not is_dflash2_key(k))
-    missing = sorted(k for k in expected if is_dflash2_key(k) and k not in tensors)
-    mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
-                        for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
-    dflash.check_weights(directory, missing, unexpected, mismatched)
+    dflash.check_tensors(directory, tensors, expected, is_dflash2_key)
     draft.load_state_dict(tensors, strict=False)
     draft.config._name_or_path = str(directory)
     return draft.to(tensors["fc.weight"].dtype).eval()

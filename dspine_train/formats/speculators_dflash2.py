@@ -70,8 +70,6 @@ def config_dict(config: DSpineConfig, dtype: torch.dtype,
     return out
 
 
-
-
 # ---------------------------------------------------------------------------- reading
 def config_from_dict(fields: dict[str, Any], source: str) -> DSpineConfig:
     """A `method: dflash2` `DSpineConfig` for a speculators DFlash2 `config.json`; `FormatError`

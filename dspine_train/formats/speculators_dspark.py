@@ -174,13 +174,7 @@ def read_weights(directory: str | Path, expected: dict[str, torch.Tensor],
     ones (in `expected` too) with theirs, and nothing else, or `FormatError` naming the
     missing, unexpected and mismatched."""
     tensors = dflash.read_tensors(directory)
-    allowed = set(extra)
-    unexpected = sorted(k for k in tensors
-                        if k not in expected or not (is_dspark_key(k) or k in allowed))
-    missing = sorted(k for k in expected if is_dspark_key(k) and k not in tensors)
-    mismatched = sorted(f"{k} {tuple(tensors[k].shape)} (expected {tuple(expected[k].shape)})"
-                        for k in tensors if k in expected and tensors[k].shape != expected[k].shape)
-    dflash.check_weights(directory, missing, unexpected, mismatched)
+    dflash.check_tensors(directory, tensors, expected, is_dspark_key, optional=extra)
     return tensors
 
 
