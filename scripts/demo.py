@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "with native bf16 (AVX512-BF16, AMX, Arm BF16), else float32. The "
                            "target answers the prompts in the dtype the engine evaluates in "
                            "(float32 on a CPU, bfloat16 on CUDA), so that its answers are the "
-                           "engine's own greedy ones")
+                           "engine's own greedy ones (unless --answer-dtype says otherwise)")
     data.add_argument("--answer-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                       help="the target's dtype when it answers the prompts. auto: the dtype "
                            "the engine evaluates in, so the answers are its greedy ones; "

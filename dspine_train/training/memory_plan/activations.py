@@ -46,6 +46,21 @@ class ActivationElements:
     supervised: int
 
 
+def method_settings(method_fields: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Every preset field of the draft's method (`METHOD_PRESETS`), overridden by
+    `method_fields` (`parameters.method_fields_of`; None: DSpine's)."""
+    method = dict(METHOD_PRESETS[(method_fields or {}).get("method", "dspine")])
+    method.update(method_fields or {})
+    return method
+
+
+def counts_dspine_terms(method_fields: Mapping[str, Any] | None) -> bool:
+    """Whether the objective keeps DSpine's refinement and alignment rows (and so the plan
+    counts them among the supervised slots' activations)."""
+    method = method_settings(method_fields)
+    return bool(method["refine_weight"] or method["alignment_weight"])
+
+
 def draft_activation_elements(
     target_config: PretrainedConfig,
     *,
@@ -110,11 +125,10 @@ def draft_activation_elements(
     r, m, k, p = transfer_dim, message_size, candidate_k, param_dtype_bytes
     f = 4 // p
     norm = f * hidden + 2 * hidden
-    method = dict(METHOD_PRESETS[(method_fields or {}).get("method", "dspine")])
-    method.update(method_fields or {})
+    method = method_settings(method_fields)
     layer = 2 * norm + (f + 4) * q_dim + (f + 3) * kv_dim + 4 * inter
     supervised = 2 * hidden + 2 * 8 // p + 8 * f
-    if method["refine_weight"] or method["alignment_weight"]:  # DSpine's own terms
+    if counts_dspine_terms(method_fields):  # DSpine's own terms
         supervised += ((f + 1) * hidden + 2 * r + 3 * m + (f + 1) * hidden + k * hidden
                        + 2 * draft_num_layers * f * r)
     layer += 8 * method["conv_kernel_size"] * hidden  # DFlash2's convolutions

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from transformers import PretrainedConfig
 
 from ...modeling.method_presets import ANCHOR_PREDICTING_METHODS
-from .activations import attention_items, draft_activation_elements
+from .activations import attention_items, counts_dspine_terms, draft_activation_elements
 from .parameters import (
     attention_dims,
     draft_layer_parameters,
@@ -287,7 +287,7 @@ def estimate_memory(
             predicted * act.supervised * p,
             f"b*A*{per_block} * {act.supervised / hidden:.2f} H * {p} B"
             + (f" (K = {candidate_k} head rows per slot for the refinement term among them)"
-               if (method or "dspine") == "dspine" else ""),
+               if counts_dspine_terms(method_fields) else ""),
         ),
         MemoryItem(
             "loss chunk (full-vocabulary logits)",
