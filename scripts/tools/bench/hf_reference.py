@@ -101,9 +101,11 @@ class HFReference:
 
     def generate(self, ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
                  seed: int = 0, prompt_lookup_tokens: int | None = None,
-                 max_matching_ngram: int | None = None) -> Decoded:
+                 max_matching_ngram: int | None = None, logits_processor: Any = None) -> Decoded:
         """Decode one prompt: plain, or prompt lookup with `prompt_lookup_tokens` candidates
-        per round (n-grams of up to `max_matching_ngram` tokens; None: transformers' default)."""
+        per round (n-grams of up to `max_matching_ngram` tokens; None: transformers' default).
+        `logits_processor`: a callable (input ids, scores) -> scores run on every position's
+        logits (the forced replay's, `forced_replay.ForcedAnswerProcessor`)."""
         inputs = torch.tensor([ids], device=self.device)
         options: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
@@ -114,6 +116,10 @@ class HFReference:
             torch.manual_seed(seed)
         else:
             options["do_sample"] = False
+        if logits_processor is not None:
+            from transformers import LogitsProcessorList
+
+            options["logits_processor"] = LogitsProcessorList([logits_processor])
         if prompt_lookup_tokens is not None:
             options["prompt_lookup_num_tokens"] = prompt_lookup_tokens
             if max_matching_ngram is not None:

@@ -56,6 +56,17 @@ from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.ngram import NgramConfig
 from dspine_train.evaluation.block_metrics import clustered_se
 from dspine_train.markdown_table import markdown_table
+from scripts.tools.bench.forced_replay import (
+    REPLAYABLE,
+    ForcedAnswer,
+    ForcedAnswerProcessor,
+    ReplayLog,
+    forced_engine_target,
+    logged_answers,
+    replay_answers,
+    replay_rows,
+    replay_table,
+)
 from scripts.tools.bench.hf_reference import Decoded, HFReference
 from scripts.tools.bench.prompt_log import PromptLog
 
@@ -74,6 +85,9 @@ class Mode:
     family: str
     run: Runner
     plain: bool = False  # the family's plain decoding (no sampling pass: tau is 1 by definition)
+    # (ids, answer) -> the mode's greedy decoding forced to `answer` (`forced_replay`); None:
+    # the mode's sampled rounds do not verify point masses only, so it is not replayed
+    replay: Callable[[list[int], list[int]], Decoded] | None = None
 
 
 @dataclass
@@ -182,6 +196,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                        help="comma-separated mode names to run (default: every one available): "
                        + ", ".join(MODE_NAMES) + "; the n-gram rows take the --ngram-* values "
                        "(--ngram itself is not needed)")
+    group.add_argument(
+        "--replay-sampled", action="store_true",
+        help="after the sampling pass, replay every sampled answer in the log through every "
+        "point-mass mode (prompt lookup, n-gram, DSpine tree, hybrid, hybrid tree): each "
+        "mode's sampled tau on common draws, paired differences, and the check that a mode "
+        "replays its own draws to the forward (forced_replay; resumable from "
+        "<log>.replay.jsonl)")
     group.add_argument("--compare-log", default=None,
                        help="JSON-lines file of every decoded prompt, appended as the run goes; "
                        "the same command resumes from it (default: --output's name with "
@@ -334,6 +355,20 @@ def build_modes(args: argparse.Namespace) -> Setup:
             return None
         return engine_runner(engine, n, True, budget, g if engine.draft is not None else None)
 
+    forced = ForcedAnswer()
+
+    def engine_replay(runner: Runner) -> Callable[[list[int], list[int]], Decoded]:
+        def replay(ids: list[int], answer: list[int]) -> Decoded:
+            forced.set(ids, answer, main.device)
+            with forced_engine_target(main.target, forced):
+                return runner(ids, 0.0, args.seed)
+        return replay
+
+    def hf_replay(ids: list[int], answer: list[int]) -> Decoded:
+        return hf.generate(ids, n, prompt_lookup_tokens=args.prompt_lookup_tokens,
+                           max_matching_ngram=args.prompt_lookup_max_ngram,
+                           logits_processor=ForcedAnswerProcessor(len(ids), answer))
+
     candidates: list[tuple[str, str, Runner | None]] = [
         ("HF plain", "hf", hf_runner(hf, n, None, None)),
         ("HF prompt lookup", "hf",
@@ -354,7 +389,10 @@ def build_modes(args: argparse.Namespace) -> Setup:
         if runner is None:
             skipped[name] = "no --draft given"
             continue
-        modes.append(Mode(name, family, runner, plain=name in ("HF plain", "engine plain")))
+        mode = Mode(name, family, runner, plain=name in ("HF plain", "engine plain"))
+        if name in REPLAYABLE:
+            mode.replay = hf_replay if family == "hf" else engine_replay(runner)
+        modes.append(mode)
     return Setup(modes, skipped, main.tokenizer, dict(main.chat_template_kwargs), main.device,
                  main.target.dtype, ngram, g, main.target.config.vocab_size)
 
@@ -521,6 +559,9 @@ def run_compare(args: argparse.Namespace) -> int:
         rows += make_rows(totals, ran, benches, args.compare_temperature, args.sampling_rounds)
     table = compare_table(rows)
     print("\n" + table + "\n")
+    replay = None
+    if args.replay_sampled and args.compare_temperature > 0:
+        replay = run_replay(setup, benches, log, args.compare_temperature)
     report = {
         "target": args.target, "draft": args.draft, "device": str(setup.device),
         "dtype": str(setup.dtype), "host": platform.node(),
@@ -534,9 +575,30 @@ def run_compare(args: argparse.Namespace) -> int:
         "skipped_modes": setup.skipped,
         "rows": [asdict(r) for r in rows],
         "table": table,
+        "replay": replay,
     }
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 0
+
+
+def run_replay(setup: Setup, benches: list[tuple[str, list[list[int]], dict]], log: PromptLog,
+               temperature: float) -> dict[str, Any]:
+    """`--replay-sampled`: every logged answer at `temperature` through every replayable mode
+    (`forced_replay`); prints the table, returns the report's part."""
+    replayers = {m.name: m.replay for m in setup.modes if m.replay is not None}
+    answers = [a for a in logged_answers(log.done, temperature)
+               if a.bench in {b for b, _, _ in benches}]
+    replay_log = ReplayLog(log.path.with_name(log.path.stem + ".replay.jsonl"))
+    print(f"replay: {len(answers)} sampled answers x {len(replayers)} modes "
+          f"({len(replay_log.done)} replays already in {replay_log.path})", flush=True)
+    totals = replay_answers(replayers, {b: ids for b, ids, _ in benches}, answers, replay_log)
+    reference = "HF prompt lookup" if "HF prompt lookup" in replayers else None
+    rows = replay_rows(totals, [b for b, _, _ in benches], list(replayers), reference)
+    table = replay_table(rows)
+    print(f"\nT={temperature:g}, every mode replayed on the same {len(answers)} answers:\n\n"
+          f"{table}\n")
+    return {"temperature": temperature, "answers": len(answers), "log": str(replay_log.path),
+            "rows": [asdict(r) for r in rows], "table": table}
