@@ -60,6 +60,7 @@ from dspine_train.engine.errors import (  # noqa: E402
 )
 from dspine_train.engine.prompts import read_prompts  # noqa: E402
 from dspine_train.engine.stats import GenerationStats, sum_stats, time_calls  # noqa: E402
+from scripts.tools.bench.forced_replay import ReplayError  # noqa: E402
 from scripts.tools.bench.prompt_log import PromptLogError  # noqa: E402
 from scripts.tools.bench.side_by_side import (  # noqa: E402
     add_compare_arguments,
@@ -278,7 +279,7 @@ def main() -> None:
         try:
             sys.exit(run_compare(args))
         except (CheckpointError, IncompatibleDraftError, GenerationInputError,
-                BenchmarkError, PromptLogError) as err:
+                BenchmarkError, PromptLogError, ReplayError) as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
     if args.prompts is None:

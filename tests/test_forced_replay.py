@@ -64,6 +64,18 @@ def test_every_mode_replays_its_own_sampled_answers_to_the_forward(files):  # no
     assert "replay: 10/" in done.stdout and "replay: 10/" not in again.stdout  # nothing replayed again
     assert json.loads(out.read_text())["replay"]["rows"] == replay["rows"]
 
+    # one benchmark only; an unknown one is refused by name
+    one = subprocess.run(argv[:-1] + ["--replay-sampled", "heldout"], capture_output=True,
+                         text=True, env=ENV)
+    assert one.returncode == 0, one.stderr[-3000:]
+    rows_one = json.loads(out.read_text())["replay"]["rows"]
+    assert rows_one == [r for r in replay["rows"] if r["bench"] == "heldout"]
+    bad = subprocess.run(argv[:-1] + ["--replay-sampled", "heldout,nope"], capture_output=True,
+                         text=True, env=ENV)
+    assert bad.returncode == 2
+    assert "--replay-sampled: unknown benchmark(s) ['nope']" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
 
 def test_forcing_lifts_the_answer_token_and_leaves_positions_past_it():
     forced = ForcedAnswer()

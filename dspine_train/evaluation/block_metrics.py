@@ -125,6 +125,20 @@ def clustered_se(values: np.ndarray, clusters: np.ndarray) -> float:
     return float(math.sqrt(groups / (groups - 1) * float(np.sum(sums**2))) / values.size)
 
 
+def ratio_se(sums: list[tuple[float, float]]) -> float | None:
+    """Cluster-robust standard error of a ratio of sums, sum(v) / sum(f), from each cluster's
+    sums (v, f) (the delta method: cluster g contributes v_g - r f_g); tau over target
+    forwards with the prompts as clusters is one. None under two clusters."""
+    kept = [(v, f) for v, f in sums if f]
+    if len(kept) < 2:
+        return None
+    total = sum(f for _, f in kept)
+    ratio = sum(v for v, _ in kept) / total
+    spread = sum((v - ratio * f) ** 2 for v, f in kept)
+    groups = len(kept)
+    return math.sqrt(groups / (groups - 1) * spread) / total
+
+
 @dataclass
 class BlockResults:
     """The simulated evaluation of a fixed set of held-out blocks, one entry per block.

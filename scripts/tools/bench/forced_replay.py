@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspine_train.evaluation.block_metrics import clustered_se
+from dspine_train.evaluation.block_metrics import ratio_se
 from dspine_train.markdown_table import markdown_table
 from scripts.tools.bench.hf_reference import Decoded
 
@@ -189,12 +189,7 @@ class ReplayTotals:
 
     def tau_se(self) -> float | None:
         """Clustered by prompt, as the live rows' (`side_by_side.Totals.tau_se`)."""
-        sums = [(t, f) for t, f in self.per_prompt.values() if f]
-        if len(sums) < 2:
-            return None
-        values = np.concatenate([np.full(f, t / f) for t, f in sums])
-        clusters = np.repeat(np.arange(len(sums)), [f for _, f in sums])
-        return clustered_se(values, clusters)
+        return ratio_se([(t, f) for t, f in self.per_prompt.values()])
 
 
 def paired_difference(a: ReplayTotals, b: ReplayTotals) -> tuple[float, float | None]:

@@ -47,14 +47,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from dspine_train.benchmark_prompts import BenchmarkError
 from dspine_train.checkpoint_io import write_text_atomic
 from dspine_train.engine import Engine
 from dspine_train.engine.errors import GenerationInputError
 from dspine_train.engine.ngram import NgramConfig
-from dspine_train.evaluation.block_metrics import clustered_se
+from dspine_train.evaluation.block_metrics import ratio_se
 from dspine_train.markdown_table import markdown_table
 from scripts.tools.bench.forced_replay import (
     REPLAYABLE,
@@ -142,16 +142,9 @@ class Totals:
         return sum(f for _, f in self.per_prompt.values())
 
     def tau_se(self) -> float | None:
-        """The standard error of tau clustered by prompt (`block_metrics.clustered_se`, tau
-        being the mean over target forwards of the tokens each produced; a prompt's forwards
-        enter at its own tau, which gives the cluster sums v_i - tau f_i exactly). None under
-        two prompts."""
-        sums = [(v, f) for v, f in self.per_prompt.values() if f]
-        if len(sums) < 2:
-            return None
-        values = np.concatenate([np.full(f, v / f) for v, f in sums])
-        clusters = np.repeat(np.arange(len(sums)), [f for _, f in sums])
-        return clustered_se(values, clusters)
+        """The standard error of tau (new tokens over target forwards) clustered by prompt
+        (`block_metrics.ratio_se`); None under two prompts."""
+        return ratio_se([(v, f) for v, f in self.per_prompt.values()])
 
 
 def first_difference(got: list[list[int]], want: list[list[int]]) -> list[int] | None:
@@ -197,12 +190,12 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                        + ", ".join(MODE_NAMES) + "; the n-gram rows take the --ngram-* values "
                        "(--ngram itself is not needed)")
     group.add_argument(
-        "--replay-sampled", action="store_true",
+        "--replay-sampled", nargs="?", const="all", default=None, metavar="BENCHES",
         help="after the sampling pass, replay every sampled answer in the log through every "
         "point-mass mode (prompt lookup, n-gram, DSpine tree, hybrid, hybrid tree): each "
         "mode's sampled tau on common draws, paired differences, and the check that a mode "
         "replays its own draws to the forward (forced_replay; resumable from "
-        "<log>.replay.jsonl)")
+        "<log>.replay.jsonl); optionally only these comma-separated benchmarks")
     group.add_argument("--compare-log", default=None,
                        help="JSON-lines file of every decoded prompt, appended as the run goes; "
                        "the same command resumes from it (default: --output's name with "
@@ -561,7 +554,7 @@ def run_compare(args: argparse.Namespace) -> int:
     print("\n" + table + "\n")
     replay = None
     if args.replay_sampled and args.compare_temperature > 0:
-        replay = run_replay(setup, benches, log, args.compare_temperature)
+        replay = run_replay(setup, benches, log, args.compare_temperature, args.replay_sampled)
     report = {
         "target": args.target, "draft": args.draft, "device": str(setup.device),
         "dtype": str(setup.dtype), "host": platform.node(),
@@ -585,18 +578,27 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_replay(setup: Setup, benches: list[tuple[str, list[list[int]], dict]], log: PromptLog,
-               temperature: float) -> dict[str, Any]:
+               temperature: float, wanted: str = "all") -> dict[str, Any]:
     """`--replay-sampled`: every logged answer at `temperature` through every replayable mode
     (`forced_replay`); prints the table, returns the report's part."""
     replayers = {m.name: m.replay for m in setup.modes if m.replay is not None}
-    answers = [a for a in logged_answers(log.done, temperature)
-               if a.bench in {b for b, _, _ in benches}]
+    names = [b for b, _, _ in benches]
+    if wanted != "all":
+        chosen = [b.strip() for b in wanted.split(",") if b.strip()]
+        unknown = sorted(set(chosen) - set(names))
+        if unknown:
+            raise BenchmarkError(f"--replay-sampled: unknown benchmark(s) {unknown}; this run "
+                                 f"has {', '.join(names)}")
+        names = [b for b in names if b in chosen]
+    # benchmark by benchmark, so a run stopped part way has whole benchmarks replayed
+    answers = sorted((a for a in logged_answers(log.done, temperature) if a.bench in names),
+                     key=lambda a: (names.index(a.bench), a.prompt, a.round))
     replay_log = ReplayLog(log.path.with_name(log.path.stem + ".replay.jsonl"))
     print(f"replay: {len(answers)} sampled answers x {len(replayers)} modes "
           f"({len(replay_log.done)} replays already in {replay_log.path})", flush=True)
     totals = replay_answers(replayers, {b: ids for b, ids, _ in benches}, answers, replay_log)
     reference = "HF prompt lookup" if "HF prompt lookup" in replayers else None
-    rows = replay_rows(totals, [b for b, _, _ in benches], list(replayers), reference)
+    rows = replay_rows(totals, names, list(replayers), reference)
     table = replay_table(rows)
     print(f"\nT={temperature:g}, every mode replayed on the same {len(answers)} answers:\n\n"
           f"{table}\n")
