@@ -281,5 +281,5 @@ def test_a_response_holding_the_engine_text_in_another_token_split_is_not_a_warn
     assert [r.same_text for r in report.rows] == [True, False]  # row 1's tokens are not a, b
     assert any("1 of 2 rows' responses are not what the engine generates greedily "
                f"(first: {rows[1].row_id})" in w for w in report.warnings)
-    assert f"1 hold the engine's text split into other tokens ({rows[0].row_id})" in (
+    assert f"1 holds the engine's text split into other tokens ({rows[0].row_id})" in (
         report.markdown())

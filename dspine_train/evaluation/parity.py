@@ -256,9 +256,9 @@ class ParityReport:
                              f"; {len(ties)} left it at a near-tie of the target (logit margin "
                              f"< {NEAR_TIE_LOGITS:g}: {', '.join(_tie(r) for r in ties)}), the "
                              "numerics of batched decoding, not a setup error" if ties else "")
-                         + (f"; {len(split)} hold the engine's text split into other tokens "
-                            f"({', '.join(split)}): answers are stored as text and re-tokenized"
-                            if split else ""))
+                         + (f"; {len(split)} {'holds' if len(split) == 1 else 'hold'} the "
+                            f"engine's text split into other tokens ({', '.join(split)}): "
+                            "answers are stored as text and re-tokenized" if split else ""))
         lines += [f"WARNING: {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
 
