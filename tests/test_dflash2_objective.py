@@ -134,3 +134,53 @@ def test_without_distill_the_label_is_the_target(target):
     _, labelled = dflash2_loss(draft, greedy_out, final, loss_mask, anchors, mask)
     torch.testing.assert_close(labelled["selector_ce"], distilled["selector_ce"])
     assert loss > 0 and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("distill", [True, False])
+def test_gradients_made_in_forward_equal_autograds(target, distill):
+    """The fused unary terms (`UnaryVocabTerms`: the unary gradient made in forward, the
+    selector's through its candidates' head rows) against autograd through the terms written
+    out (`_slot_terms`, the no-gradient path, here with gradients), every parameter."""
+    from unittest import mock
+
+    import dspine_train.dflash2_objective as objective
+
+    draft = _dflash2(target, distill=distill)
+    ids, loss_mask, anchors, mask, feats, final = _case(draft, target)
+    loss_mask[0, 25] = 0
+    grads = []
+    for path in ("fused", "autograd"):
+        draft.zero_grad()
+        out = draft(ids, feats, anchors, mask, use_flex=False)
+        if path == "fused":
+            loss, _ = dflash2_loss(draft, out, final, loss_mask, anchors, mask, chunk_size=4)
+        else:
+            def plain(draft, hidden, prev, labels, coef, target):
+                terms = objective._slot_terms(draft, hidden, prev, labels, target)
+                return ((coef * terms[0]).sum(), *terms)
+
+            with mock.patch.object(objective, "_fused_terms", plain):
+                loss, _ = dflash2_loss(draft, out, final, loss_mask, anchors, mask, chunk_size=4)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()
+                                      if p.grad is not None}))
+    (fused_loss, fused), (ref_loss, reference) = grads
+    torch.testing.assert_close(fused_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(fused) == set(reference)
+    assert {"candidate_selector.predecessor_codebook", "fc.weight"} <= set(fused)
+    for n, g in reference.items():
+        torch.testing.assert_close(fused[n], g, rtol=1e-4, atol=1e-6, msg=n)
+    if distill:  # and against speculators' loss, through its own autograd
+        draft.zero_grad()
+        out = draft(ids, feats, anchors, mask, use_flex=False)
+        loss_mask[0, 25] = 1
+        ours, _ = dflash2_loss(draft, out, final, loss_mask, anchors, mask)
+        ours.backward()
+        ours_grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        draft.zero_grad()
+        out = draft(ids, feats, anchors, mask, use_flex=False)
+        ref, _ = _reference_loss(draft, out, final, anchors)
+        ref.backward()
+        for n, p in draft.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(ours_grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)

@@ -85,7 +85,7 @@ def _deepspec_reference(draft, ids, out, final, loss_mask, anchors, mask):
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                          reduction="none").view_as(weights)
     l1 = (p_d - p_t).abs().sum(-1)
-    accept = (1 - 0.5 * l1).clamp(0, 1)
+    accept = (1 - 0.5 * l1).clamp(0, 1).detach()  # DeepSpec detaches the acceptance target
     bce = F.binary_cross_entropy_with_logits(conf, accept, reduction="none")
     den = weights.sum() + 1e-6
     return (0.1 * (ce * weights).sum() / den + 0.9 * (l1 * weights).sum() / den
@@ -154,3 +154,41 @@ def test_other_methods_are_refused(target):
     out, final, anchors, mask = _forward(draft, target, ids, loss_mask)
     with pytest.raises(ValueError, match="dspark_loss: a method: dflash draft"):
         dspark_loss(draft, out, final, loss_mask, anchors, mask)
+
+
+@pytest.mark.parametrize("distill", [True, False])
+def test_gradients_made_in_forward_equal_autograds_of_deepspecs_formula(target, distill):
+    """The fused terms (gradients made in forward, `DSparkVocabTerms`) against autograd through
+    the written-out reference, for every parameter the loss reaches."""
+    ids, loss_mask = _batch(seed=3)
+    draft = _dspark(target, distill=distill)
+    out, final, anchors, mask = _forward(draft, target, ids, loss_mask)
+    loss, _ = dspark_loss(draft, out, final, loss_mask, anchors, mask, chunk_size=7)
+    loss.backward()
+    fused = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad()
+    out, final, anchors, mask = _forward(draft, target, ids, loss_mask)
+    if distill:
+        ref = _deepspec_reference(draft, ids, out, final, loss_mask, anchors, mask)
+    else:
+        with torch.no_grad():  # the same loss, through autograd (checkpointed chunks)
+            expected, _ = dspark_loss(draft, out, final, loss_mask, anchors, mask)
+        with torch.enable_grad(), _unfused():
+            ref, _ = dspark_loss(draft, out, final, loss_mask, anchors, mask)
+        torch.testing.assert_close(ref.detach(), expected)
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-4, atol=1e-5)
+    ref.backward()
+    reference = {n: p.grad for n, p in draft.named_parameters() if p.grad is not None}
+    assert set(fused) == set(reference)
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "fc.weight"} <= set(fused)
+    for n, g in reference.items():
+        torch.testing.assert_close(fused[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def _unfused():
+    """The checkpointed path (as under ZeRO-3) for this block."""
+    from unittest import mock
+
+    import dspine_train.dspark_objective as objective
+
+    return mock.patch.object(objective, "_zero3_partitioned", lambda draft: True)

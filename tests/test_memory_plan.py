@@ -14,7 +14,10 @@ from dspine_train.modeling.attention_masks import training_mask_mod
 from dspine_train.objective import full_vocab_terms, sample_anchors
 from dspine_train.training.config import compose_train_config
 from dspine_train.training.draft_step import DraftStep
-from dspine_train.training.memory_plan.activations import attention_items
+from dspine_train.training.memory_plan.activations import (
+    attention_items,
+    draft_activation_elements,
+)
 from dspine_train.training.memory_plan.estimate import estimate_memory
 from dspine_train.training.memory_plan.parameters import (
     dense_decoder_parameters,
@@ -85,7 +88,8 @@ def test_draft_parameter_count_is_the_real_draft_models(num_layers, overrides):
 
 def test_dspark_plan_counts_its_heads_and_every_block_slot():
     """A DSpark draft's Markov and confidence heads are parameters the plan holds (with their
-    gradients and optimizer states), and its loss keeps B supervised slots a block, not B-1."""
+    gradients and optimizer states), and its loss keeps B supervised slots a block, not B-1,
+    each with its heads' rows, plus the Markov head's gradient (V x r) once."""
     dspark = {"method": "dspark", "markov_rank": 256, "markov_head_type": "vanilla",
               "enable_confidence_head": True, "confidence_head_with_markov": True}
     base, with_heads = plan(method_fields={"method": "dflash"}), plan(method_fields=dspark)
@@ -93,7 +97,17 @@ def test_dspark_plan_counts_its_heads_and_every_block_slot():
     heads = 2 * vocab * 256 + (hidden + 256 + 1)  # W1, W2; Linear(H + r, 1)
     assert with_heads.draft_parameters - base.draft_parameters == heads
     slots = with_heads.item("loss activations (supervised slots)").bytes
-    assert slots * 3 == base.item("loss activations (supervised slots)").bytes * 4  # B=4: 4 vs 3
+    act = draft_activation_elements(tiny_config(), draft_num_layers=N, transfer_dim=R,
+                                    message_size=M, candidate_k=4, param_dtype_bytes=2,
+                                    method_fields=dspark)
+    plain = draft_activation_elements(tiny_config(), draft_num_layers=N, transfer_dim=R,
+                                      message_size=M, candidate_k=4, param_dtype_bytes=2,
+                                      method_fields={"method": "dflash"})
+    assert act.per_step == vocab * 256 and plain.per_step == 0
+    assert act.supervised - plain.supervised == (2 + 1) * hidden + 2 + hidden + (
+        hidden + 2 * 256 + 4 + 4)  # norm, gradient; confidence input, W1[x] and its gradient
+    assert slots == (2 * 4 * 4 * act.supervised + vocab * 256) * 2  # b*A*B slots, bf16
+    assert base.item("loss activations (supervised slots)").bytes == 2 * 4 * 3 * plain.supervised * 2
 
 
 def test_plan_counts_the_recipes_draft_as_built(tmp_path):
@@ -242,10 +256,10 @@ def test_activation_items_cover_what_the_draft_step_keeps(param_dtype):
 @pytest.mark.parametrize("name", [n for n in METHOD_DRAFTS if n != "dspine"])
 def test_activation_items_cover_each_methods_draft_step(name, param_dtype):
     """The same for every other method: no injection, refinement or alignment, and each one's
-    own activations (DFlash2's convolutions, Domino's GRU; DSpark's heads and DFlash2's
-    selector live in the loss chunks). Measured (bf16 / fp32): DFlash 297,988 / 503,844 B
-    kept against 299,024 / 504,224 planned; DFlash2 423,704 / 760,632 against 430,096 /
-    766,368. The plan before counted DSpine's injection and objective for all of them (DFlash
+    own activations (DFlash2's convolutions and selector, Domino's GRU, DSpark's heads and its
+    Markov head's gradient, made in forward). Measured (bf16 / fp32): DFlash 297,988 / 503,844
+    B kept against 299,024 / 504,224 planned; DFlash2 438,312 / 782,984 against 448,240 /
+    795,264; DSpark 342,340 / 590,180 against 359,712 / 616,384. The plan before counted DSpine's injection and objective for all of them (DFlash
     1.26x) and none of DFlash2's convolutions (0.82x in fp32): a DFlash2 run of the published
     shape keeps about 1.6x the activations per block slot that it planned."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[param_dtype]

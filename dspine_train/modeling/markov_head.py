@@ -111,13 +111,20 @@ def dspark_outputs(
     logits = base_logits
     if markov is not None:
         logits = base_logits + markov.bias(embedded).to(base_logits.dtype)
-    scores = None
-    if confidence is not None:
-        features = normed
-        if with_markov:
-            features = torch.cat((normed, embedded.to(normed.dtype)), dim=-1)  # (..., B, H + r)
-        scores = confidence(features.to(confidence.proj.weight.dtype))
-    return DSparkOutput(logits=logits, confidence=scores)
+    return DSparkOutput(logits=logits,
+                        confidence=confidence_scores(normed, embedded, confidence, with_markov))
+
+
+def confidence_scores(normed: torch.Tensor, embedded: torch.Tensor | None,
+                      confidence: ConfidenceHead | None, with_markov: bool) -> torch.Tensor | None:
+    """The confidence head's acceptance logits (...,) over normed (..., H), with the Markov
+    embeddings W1[x] (..., r) appended when `with_markov`; None without a confidence head."""
+    if confidence is None:
+        return None
+    features = normed
+    if with_markov:
+        features = torch.cat((normed, embedded.to(normed.dtype)), dim=-1)  # (..., H + r)
+    return confidence(features.to(confidence.proj.weight.dtype))
 
 
 def markov_walk(

@@ -36,6 +36,8 @@ class ActivationElements:
         context_layer: per context position per draft layer: the context keys and values.
         supervised: per supervised slot (at most b*A*(B-1), b*A*B when the anchor slot
             predicts): the objective outside its chunks, the method's heads included.
+        per_step: once per training forward: DSpark's `markov_w2` gradient (V x r), which its
+            objective makes in forward over all the chunks (`dspark_objective`).
     """
 
     layer: int
@@ -44,6 +46,7 @@ class ActivationElements:
     context: int
     context_layer: int
     supervised: int
+    per_step: int = 0
 
 
 def method_settings(method_fields: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -115,8 +118,19 @@ def draft_activation_elements(
                                                 output that the next products read: 4k H
         supervised     + 9G                     Domino: the GRU's states gathered for the loss
                                                 and, per step, its input and hidden gates and
-                                                states (DSpark's heads and DFlash2's selector
-                                                run inside the loss chunks only)
+                                                states
+                       + (f + 1)H + f           DSpark and DFlash2, whose objectives make the
+                       + H                      vocabulary terms' gradient in forward: the
+                                                final norm's fp32 copy, rms and normalised
+                                                rows, and the gradient with respect to them
+                       + (H + s) + s + 8/p + 2f DSpark (Markov rank s): the confidence head's
+                                                input [normed ; W1[x]], the gradient of W1[x],
+                                                the previous ids, the BCE's fp32 terms
+                       + (K + 2)s + K(8/p + f)  DFlash2 (selector rank s, top K): the
+                                                hidden projection, the predecessor's and the
+                                                K candidates' codebook rows, the candidates
+                                                and their fp32 scores
+        per_step       V s                      DSpark: the summed `markov_w2` gradient
     """
     cfg = text_config(target_config)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -133,6 +147,13 @@ def draft_activation_elements(
                        + 2 * draft_num_layers * f * r)
     layer += 8 * method["conv_kernel_size"] * hidden  # DFlash2's convolutions
     supervised += 9 * method["domino_gru_hidden_dim"]  # Domino's GRU
+    markov, selector, top_k = method["markov_rank"], method["selector_rank"], method["selector_top_k"]
+    if markov or selector:  # the final norm and the gradient made in forward
+        supervised += (f + 1) * hidden + f + hidden
+    if markov:  # DSpark's confidence input, Markov embedding gradient, ids, BCE terms
+        supervised += hidden + markov + markov + 8 // p + 2 * f
+    if selector:  # DFlash2's selector rows, candidates and scores
+        supervised += (top_k + 2) * selector + top_k * (8 // p + f)
     if method["injection"]:
         injection = 2 * hidden + 2 * r + 2 * r + 3 * m + (f + 1) * hidden
     else:  # the features read out after each layer, and the last layer's again
@@ -145,6 +166,7 @@ def draft_activation_elements(
         context=norm,
         context_layer=(f + 3) * kv_dim,
         supervised=supervised,
+        per_step=cfg.vocab_size * markov,
     )
 
 

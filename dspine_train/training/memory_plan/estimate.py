@@ -83,11 +83,12 @@ def estimate_memory(
         attention (2 items)        `attention_items` for `attention_path`: the mask (flex
                                    tile indices, or dense boolean + additive masks) and the
                                    fp32 logsumexp, N layers (one when checkpointed)
-        loss activations           b*A*D * supervised * p: what the objective keeps per
-                                   supervised slot outside its chunks (selected rows, the
-                                   refinement's write, norm and K gathered head rows, the
-                                   alignment's fp32 features); D = B-1 drafted slots per
-                                   block, B where the anchor slot predicts too (DSpark)
+        loss activations           (b*A*D * supervised + per_step) * p: what the objective
+                                   keeps per supervised slot outside its chunks (selected
+                                   rows, the refinement's write, norm and K gathered head
+                                   rows, the alignment's fp32 features); D = B-1 drafted
+                                   slots per block, B where the anchor slot predicts too
+                                   (DSpark), whose Markov head's gradient adds V*s once
         loss chunk                 c * 4 * V * 4: 4 fp32 full-vocabulary tensors
                                    (LOGIT_BUFFERS_PER_CHUNK), transient (checkpointed)
 
@@ -284,8 +285,10 @@ def estimate_memory(
     items += [
         MemoryItem(
             "loss activations (supervised slots)",
-            predicted * act.supervised * p,
+            (predicted * act.supervised + act.per_step) * p,
             f"b*A*{per_block} * {act.supervised / hidden:.2f} H * {p} B"
+            + (f" + V * {act.per_step // vocab} * {p} B (the Markov head's gradient)"
+               if act.per_step else "")
             + (f" (K = {candidate_k} head rows per slot for the refinement term among them)"
                if counts_dspine_terms(method_fields) else ""),
         ),
