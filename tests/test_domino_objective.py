@@ -100,3 +100,29 @@ def test_the_loss_goes_down_and_other_methods_are_refused():
     feats, _ = context_features(target, other, IDS)
     with pytest.raises(ValueError, match="method: dflash"):
         domino_loss(other, other(IDS, feats, ANCHORS, ANCHOR_MASK), MASK, ANCHORS, ANCHOR_MASK)
+
+
+@pytest.mark.parametrize("shift,prefix,step", [(False, 0, 3), (True, 1, 3), (False, 1, 10)])
+def test_gradients_made_in_forward_equal_autograds_of_the_formula(shift, prefix, step):
+    """`DominoVocabTerms` (both CEs' gradients made in forward, in chunks) against autograd
+    through the written-out formula, every parameter the loss reaches (lambda 0.4, and 0)."""
+    draft, feats = _setup(shift, prefix)
+    lam = lambda_base(step, 10, 1.0, 0.5)
+    grads = []
+    for path in ("fused", "formula"):
+        draft.zero_grad()
+        out = draft(IDS, feats, ANCHORS, ANCHOR_MASK)
+        if path == "fused":
+            loss, _ = domino_loss(draft, out, MASK, ANCHORS, ANCHOR_MASK, step, 10, chunk_size=4)
+        else:
+            loss = _formula(draft, out, lam)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()
+                                      if p.grad is not None}))
+    (fused_loss, fused), (ref_loss, reference) = grads
+    torch.testing.assert_close(fused_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert {"embed_proj.2.weight", "embed_proj.0.weight", "prefix_gru.weight_hh_l0",
+            "fc.weight"} <= set(fused)
+    assert set(fused) == set(reference)
+    for n, g in reference.items():
+        torch.testing.assert_close(fused[n], g, rtol=1e-4, atol=1e-6, msg=n)

@@ -256,11 +256,12 @@ def test_activation_items_cover_what_the_draft_step_keeps(param_dtype):
 @pytest.mark.parametrize("name", [n for n in METHOD_DRAFTS if n != "dspine"])
 def test_activation_items_cover_each_methods_draft_step(name, param_dtype):
     """The same for every other method: no injection, refinement or alignment, and each one's
-    own activations (DFlash2's convolutions and selector, Domino's GRU, DSpark's heads and its
-    Markov head's gradient, made in forward). Measured (bf16 / fp32): DFlash 297,988 / 503,844
-    B kept against 299,024 / 504,224 planned; DFlash2 438,312 / 782,984 against 448,240 /
-    795,264; DSpark 342,340 / 590,180 against 359,712 / 616,384. The plan before counted DSpine's injection and objective for all of them (DFlash
-    1.26x) and none of DFlash2's convolutions (0.82x in fp32): a DFlash2 run of the published
+    own activations (DFlash2's convolutions and selector, Domino's GRU, and the rows and
+    vocabulary-sized gradients (DSpark's Markov head, Domino's delta) their objectives make in
+    forward). Measured (bf16 / fp32): DFlash 297,988 / 503,844 B kept against 299,024 /
+    504,224 planned; DFlash2 438,312 / 782,984 against 448,240 / 795,264; DSpark 342,340 /
+    590,180 against 359,712 / 616,384; Domino 366,760 / 641,480 against 374,896 / 649,728.
+    The plan before counted DSpine's injection and objective for all of them (DFlash 1.26x) and none of DFlash2's convolutions (0.82x in fp32): a DFlash2 run of the published
     shape keeps about 1.6x the activations per block slot that it planned."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[param_dtype]
     overrides = METHOD_DRAFTS[name]
@@ -310,8 +311,10 @@ def test_loss_chunk_item_covers_what_one_chunk_keeps_in_its_recompute(dtype):
 
 @pytest.mark.parametrize("name", ["dspark", "dflash2", "domino"])
 def test_loss_chunk_item_covers_each_methods_chunk(name):
-    """Each method's objective recomputes its chunk's full-vocabulary terms in backward too
-    (`_slot_terms`, `_token_terms`); what one chunk keeps fits the same item. Measured (bf16):
+    """Where a method's objective recomputes its chunk's full-vocabulary terms in backward
+    (`_slot_terms`, `_token_terms`: DSpark and Domino under ZeRO-3), what one chunk keeps fits
+    the same item. (Otherwise they make the gradient in forward, and the chunk's (c, V)
+    tensors live only during that call.) Measured (bf16):
     DSpark 54,500 B (three fp32 (c, V) tensors), DFlash2 50,568, Domino 39,032, against
     65,536 planned."""
     from dspine_train import dflash2_objective, domino_objective, dspark_objective

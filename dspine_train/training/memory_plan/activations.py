@@ -119,10 +119,13 @@ def draft_activation_elements(
         supervised     + 9G                     Domino: the GRU's states gathered for the loss
                                                 and, per step, its input and hidden gates and
                                                 states
-                       + (f + 1)H + f           DSpark and DFlash2, whose objectives make the
-                       + H                      vocabulary terms' gradient in forward: the
-                                                final norm's fp32 copy, rms and normalised
-                                                rows, and the gradient with respect to them
+                       + (f + 1)H + f           DSpark, DFlash2 and Domino, whose objectives
+                       + H                      make the vocabulary terms' gradient in
+                                                forward: the final norm's fp32 copy, rms and
+                                                normalised rows, and the gradient with
+                                                respect to them
+                       + 2E                     Domino (delta MLP width E): its hidden layer
+                                                before SiLU, and the gradient of its output
                        + (H + s) + s + 8/p + 2f DSpark (Markov rank s): the confidence head's
                                                 input [normed ; W1[x]], the gradient of W1[x],
                                                 the previous ids, the BCE's fp32 terms
@@ -131,6 +134,7 @@ def draft_activation_elements(
                                                 K candidates' codebook rows, the candidates
                                                 and their fp32 scores
         per_step       V s                      DSpark: the summed `markov_w2` gradient
+                       V E                      Domino: the summed `embed_proj.2` gradient
     """
     cfg = text_config(target_config)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -148,8 +152,10 @@ def draft_activation_elements(
     layer += 8 * method["conv_kernel_size"] * hidden  # DFlash2's convolutions
     supervised += 9 * method["domino_gru_hidden_dim"]  # Domino's GRU
     markov, selector, top_k = method["markov_rank"], method["selector_rank"], method["selector_top_k"]
-    if markov or selector:  # the final norm and the gradient made in forward
+    delta = method["domino_emb_dim"]
+    if markov or selector or delta:  # the final norm and the gradient made in forward
         supervised += (f + 1) * hidden + f + hidden
+    supervised += 2 * delta  # Domino's delta MLP hidden layer and its gradient
     if markov:  # DSpark's confidence input, Markov embedding gradient, ids, BCE terms
         supervised += hidden + markov + markov + 8 // p + 2 * f
     if selector:  # DFlash2's selector rows, candidates and scores
@@ -166,7 +172,7 @@ def draft_activation_elements(
         context=norm,
         context_layer=(f + 3) * kv_dim,
         supervised=supervised,
-        per_step=cfg.vocab_size * markov,
+        per_step=cfg.vocab_size * (markov + delta),
     )
 
 

@@ -88,7 +88,8 @@ def estimate_memory(
                                    rows, the refinement's write, norm and K gathered head
                                    rows, the alignment's fp32 features); D = B-1 drafted
                                    slots per block, B where the anchor slot predicts too
-                                   (DSpark), whose Markov head's gradient adds V*s once
+                                   (DSpark); DSpark's Markov and Domino's delta heads add
+                                   their output layer's gradient (V*s, V*E) once
         loss chunk                 c * 4 * V * 4: 4 fp32 full-vocabulary tensors
                                    (LOGIT_BUFFERS_PER_CHUNK), transient (checkpointed)
 
@@ -287,7 +288,7 @@ def estimate_memory(
             "loss activations (supervised slots)",
             (predicted * act.supervised + act.per_step) * p,
             f"b*A*{per_block} * {act.supervised / hidden:.2f} H * {p} B"
-            + (f" + V * {act.per_step // vocab} * {p} B (the Markov head's gradient)"
+            + (f" + V * {act.per_step // vocab} * {p} B (the vocabulary-sized head's gradient)"
                if act.per_step else "")
             + (f" (K = {candidate_k} head rows per slot for the refinement term among them)"
                if counts_dspine_terms(method_fields) else ""),
