@@ -557,6 +557,50 @@ def test_step_times_side_by_side_on_the_same_batches(tiny_assets: dict, tmp_path
     assert f"| dflash | {rows['dflash']['step_s']:.2f} |" in text
 
 
+def test_step_times_without_a_feature_cache_run_the_target_for_the_timed_batches(
+        tiny_assets: dict, tmp_path: Path) -> None:
+    """`study.py steps` on a machine without the study's feature cache: the timed batches'
+    features come from the target, run in the process, and they are the cache's values (the
+    same target, dtype and layers; padding aside)."""
+    import torch
+
+    from dspine_train.training.config import compose_train_config
+    from dspine_train.training.draft_builder import build_draft, load_or_build_token_table
+    from dspine_train.training.inputs import check_inputs
+    from dspine_train.training.target import read_embedding_and_head
+    from scripts.tools.ablation.study_steps import _features_in_process, time_steps
+    from scripts.tools.bench.step_bench import first_batches
+    from tests._train_helpers import check_ok, run_module, tiny_overrides
+
+    settings = tiny_settings(tmp_path, tiny_assets)
+    variants = [Variant("dspine", ""), Variant("dflash", "", ("model.method=dflash",))]
+    result = time_steps(settings, variants, tmp_path / "steps", batches=2, iters=2,
+                        progress=lambda line: None, cached_features=False)
+    assert result["features"] == "target run in process" and len(result["rows"]) == 2
+    assert all(row["step_s"] > 0 for row in result["variants"].values())
+
+    features = tmp_path / "features"
+    check_ok(run_module(["-m", "dspine_train.training.cache_features", *tiny_overrides(
+        tiny_assets, tmp_path / "run", f"data.offline_features_dir={features}")]))
+    config = compose_train_config(*tiny_overrides(tiny_assets, tmp_path / "cfg",
+                                                  f"data.offline_features_dir={features}"))
+    inputs = check_inputs(config)
+    embed, head = read_embedding_and_head(config.model.target_path)
+    table = load_or_build_token_table(tmp_path / "table.safetensors", head,
+                                      inputs.draft_config.transfer_dim, True, lambda: None)
+    draft = build_draft(config.model, inputs.draft_config, table, inputs.target_config, 0)
+    cached, _ = first_batches(config, inputs.train, draft, 2, head)
+    made, cache = first_batches(config, inputs.train, draft, 2, head, _features_in_process(config))
+    assert cache is None
+    for (batch, want, *_), (other, got, *_) in zip(cached, made, strict=True):
+        assert torch.equal(batch.input_ids, other.input_ids)
+        valid = batch.attention_mask.bool()
+        # float32, but the cache ran its rows in batches of another padded width
+        torch.testing.assert_close(got.context[valid], want.context[valid], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(got.final_hidden[valid], want.final_hidden[valid],
+                                   rtol=1e-3, atol=1e-4)
+
+
 def test_the_method_rows_train_on_the_study_feature_cache(tiny_assets: dict,
                                                         tmp_path: Path) -> None:
     """DSpark, DFlash2 and Domino take real steps on the feature cache the study trains the
@@ -581,7 +625,7 @@ def test_steps_without_the_study_data_fails_by_name(tmp_path: Path, capsys) -> N
     from scripts.tools.ablation.study_cli import main
 
     assert main(["--root", str(tmp_path), "steps", "--variants", "dspine"]) == 1
-    assert "the study data is not ready" in capsys.readouterr().err
+    assert "the study's token data is not ready" in capsys.readouterr().err
 
 
 def test_steps_refuses_batches_it_would_not_time(tmp_path: Path) -> None:

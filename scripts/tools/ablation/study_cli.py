@@ -231,16 +231,19 @@ def steps_command(args: argparse.Namespace) -> int:
     features = args.root / "features"
     overrides = [f"recipe={RECIPE}", f"seed={args.seed}", *shared_overrides(args, data)]
     config = compose_train_config(*overrides, f"data.offline_features_dir={features}")
-    if not Path(config.data.train_path).exists() or not features.is_dir():
-        raise StudyError(f"{config.data.train_path}, {features}: the study data is not ready; "
-                         "run `python scripts/study.py data` first (it resumes)")
+    if not Path(config.data.train_path).exists():
+        raise StudyError(f"{config.data.train_path}: the study's token data is not ready; run "
+                         "`python scripts/study.py data` first (it resumes; `--stages "
+                         "prompts,regenerate,tokenize` is all `steps` needs)")
+    cached = features.is_dir()
     settings = StudySettings(
         out_dir=args.root / "steps", recipe=RECIPE,
         steps=default_steps(Path(config.data.train_path), config.data.batch_size),
         seed=args.seed, features_override=features,
         overrides=[o for o in overrides if not o.startswith(("recipe=", "seed="))])
     result = time_steps(settings, variants, args.root / "steps", args.batches, args.iters,
-                        progress=lambda line: print(f"[steps] {line}", flush=True))
+                        progress=lambda line: print(f"[steps] {line}", flush=True),
+                        cached_features=cached)
     result["command"] = shlex.join([sys.executable, "scripts/study.py", *sys.argv[1:]])
     result["commit"], result["dirty"] = git_commit(REPO)
     print("\n".join(step_lines(result)))

@@ -15,7 +15,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,13 @@ from .variants import REFERENCE, Variant
 
 
 def _variant_step(settings: StudySettings, variant: Variant, work_dir: Path,
-                  batches: int, embed: torch.Tensor, head: torch.Tensor) -> tuple[Any, list[Any]]:
+                  batches: int, embed: torch.Tensor, head: torch.Tensor,
+                  extract: Callable[[Any, list[int]], Any] | None = None
+                  ) -> tuple[Any, list[Any]]:
     """The variant's step (`PathStep` on the trainer's path) and its first `batches` batches;
-    `embed`, `head`: the target's, read once for every variant. Token tables are built once
-    per transfer width in `work_dir`."""
+    `embed`, `head`: the target's, read once for every variant; `extract`: the batches'
+    features from the target in this process (None: from the feature cache). Token tables are
+    built once per transfer width in `work_dir`."""
     from dspine_train.training.draft_builder import build_draft, load_or_build_token_table
     from dspine_train.training.draft_vocab import prune_draft_vocab, tokenizer_or_none
     from dspine_train.training.inputs import check_inputs
@@ -50,19 +53,40 @@ def _variant_step(settings: StudySettings, variant: Variant, work_dir: Path,
         prune_draft_vocab(draft, inputs.train, inputs.eval,
                           tokenizer_or_none(config.model.target_path))
     draft.bind_target(embed, head)
-    items, _ = first_batches(config, inputs.train, draft, batches, head)
+    items, _ = first_batches(config, inputs.train, draft, batches, head, extract)
     path = StepPath(reference=False, topk=config.data.target_topk > 0,
                     bf16=config.precision.value == "bf16")
     step = PathStep(path, draft, embed, head, config.logits_chunk_size, config.optim.lr)
     return step, items
 
 
+def _features_in_process(config: Any) -> Callable[[Any, list[int]], Any]:
+    """(batch, target layer ids) -> the batch's target features, the target (at
+    `model.target_path`, in `model.target_dtype`) run here once per distinct batch and layers:
+    what the feature cache would hold, for a study whose cache is not built."""
+    from dspine_train.training.target import TargetFeatureExtractor, load_target
+
+    m = config.model
+    target = load_target(m.target_path, m.target_dtype, torch.device("cpu"), m.trust_remote_code)
+    made: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+
+    def extract(batch: Any, layers: list[int]) -> Any:
+        key = (tuple(batch.rows.tolist()), tuple(layers))
+        if key not in made:
+            made[key] = TargetFeatureExtractor(target, list(layers))(batch.input_ids,
+                                                                    batch.attention_mask)
+        return made[key]
+
+    return extract
+
+
 def time_steps(settings: StudySettings, variants: Sequence[Variant], work_dir: Path,
                batches: int = 3, iters: int = 6,
-               progress: Any = print) -> dict[str, Any]:
+               progress: Any = print, cached_features: bool = True) -> dict[str, Any]:
     """Step times of `variants`, interleaved (see the module docstring). Each variant's time
     is the mean over the batches of its fastest step on that batch (the least disturbed);
-    `ratio` is that time over the reference's (> 1: slower than the reference)."""
+    `ratio` is that time over the reference's (> 1: slower than the reference). Without
+    `cached_features` the timed batches' features come from the target, run here untimed."""
     from dspine_train.training.target import read_embedding_and_head
 
     if not 1 <= batches <= iters:
@@ -71,11 +95,15 @@ def time_steps(settings: StudySettings, variants: Sequence[Variant], work_dir: P
     first = compose_train_config(*settings.train_arguments(variants[0]))
     embed, head = read_embedding_and_head(first.model.target_path)
     work_dir.mkdir(parents=True, exist_ok=True)
+    extract = None
+    if not cached_features:
+        progress("no feature cache: the timed batches' features come from the target, untimed")
+        extract = _features_in_process(first)
     steps, items = {}, {}
     for variant in variants:
         progress(f"building {variant.name}'s step")
         steps[variant.name], items[variant.name] = _variant_step(
-            settings, variant, work_dir, batches, embed, head)
+            settings, variant, work_dir, batches, embed, head, extract)
     rows = {name: [item[0].rows.tolist() for item in batch] for name, batch in items.items()}
     if any(r != next(iter(rows.values())) for r in rows.values()):
         raise StudyError(f"the variants' first batches differ ({rows}); the step times would "
@@ -95,6 +123,7 @@ def time_steps(settings: StudySettings, variants: Sequence[Variant], work_dir: P
     return {
         "reference": reference, "batches": batches, "iters": iters,
         "rows": next(iter(rows.values())),
+        "features": "feature cache" if cached_features else "target run in process",
         "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
         "processor": platform.processor(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -14,6 +14,7 @@ import copy
 import json
 import platform
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from dspine_train.engine.stats import StepTimer
 from dspine_train.modeling import DSpineDraftModel
 from dspine_train.objective import batch_generator, dspine_loss, sample_anchors
 from dspine_train.training.config import TrainConfig, compose_train_config
-from dspine_train.training.data import BatchStream, TokenBatches
+from dspine_train.training.data import Batch, BatchStream, TokenBatches
 from dspine_train.training.draft_builder import build_draft, load_or_build_token_table
 from dspine_train.training.draft_step import DraftStep
 from dspine_train.training.draft_vocab import prune_draft_vocab, tokenizer_or_none
@@ -59,17 +60,23 @@ PATHS = {
 }
 
 
-def first_batches(config: TrainConfig, train, draft, count: int, head: torch.Tensor):  # noqa: ANN001
-    """The stream's first `count` micro-batches with features, anchors and replacement draws."""
+def first_batches(config: TrainConfig, train, draft, count: int, head: torch.Tensor,  # noqa: ANN001
+                  extract: Callable[[Batch, list[int]], TargetFeatures] | None = None):
+    """The stream's first `count` micro-batches with features, anchors and replacement draws.
+
+    The features are the cache's (`data.offline_features_dir`), or `extract(batch, the draft's
+    target layers)`'s (the target run in this process, untimed) where it is given; the cache
+    is then None."""
     d = config.data
-    if not d.offline_features_dir:
+    if extract is None and not d.offline_features_dir:
         raise SystemExit("--recipe: the recipe needs data.offline_features_dir (the bench reads "
                          "the cached target features; run "
                          "dspine_train.training.cache_features first)")
     batches = TokenBatches(train, d.max_length, draft.config.vocab_size, "data.train_path")
     layers = list(draft.config.target_layer_ids)
-    cache = OfflineFeatures(Path(d.offline_features_dir) / d.train_split,
-                            cache_identity(config.model.target_path, layers, d.max_length, batches))
+    cache = None if extract is not None else OfflineFeatures(
+        Path(d.offline_features_dir) / d.train_split,
+        cache_identity(config.model.target_path, layers, d.max_length, batches))
     stream = BatchStream(batches.lengths, d.batch_size, config.seed, d.group_by_length,
                          d.length_group_size, 0, 1)
     out = []
@@ -77,7 +84,8 @@ def first_batches(config: TrainConfig, train, draft, count: int, head: torch.Ten
         if len(out) == count:
             break
         batch = batches.collate(rows)
-        feats = cache.features(batch.rows.tolist(), batch.input_ids.shape[1])
+        feats = (extract(batch, layers) if extract is not None
+                 else cache.features(batch.rows.tolist(), batch.input_ids.shape[1]))
         if feats.topk is None:  # what the cache pass stores now (untimed, as there)
             flat = feats.final_hidden.reshape(-1, feats.final_hidden.shape[-1])
             parts = target_topk(flat, head, max(1, d.target_topk))
