@@ -184,3 +184,13 @@ def test_gradients_made_in_forward_equal_autograds(target, distill):
         for n, p in draft.named_parameters():
             if p.grad is not None:
                 torch.testing.assert_close(ours_grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_a_batch_without_supervised_slots_gives_a_zero_loss_that_backpropagates(target):
+    draft = _dflash2(target)
+    ids, loss_mask, anchors, mask, feats, final = _case(draft, target)
+    out = draft(ids, feats, anchors, mask, use_flex=False)
+    loss, metrics = dflash2_loss(draft, out, final, torch.zeros_like(loss_mask), anchors, mask)
+    assert float(loss.detach()) == 0.0 and metrics["supervised_slots"] == 0
+    loss.backward()
+    assert draft.fc.weight.grad is not None and not draft.fc.weight.grad.any()

@@ -126,3 +126,12 @@ def test_gradients_made_in_forward_equal_autograds_of_the_formula(shift, prefix,
     assert set(fused) == set(reference)
     for n, g in reference.items():
         torch.testing.assert_close(fused[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_a_batch_without_supervised_tokens_gives_a_zero_loss_that_backpropagates():
+    draft, feats = _setup(False, 0)
+    out = draft(IDS, feats, ANCHORS, ANCHOR_MASK)
+    loss, metrics = domino_loss(draft, out, torch.zeros_like(MASK), ANCHORS, ANCHOR_MASK, 3, 10)
+    assert float(loss.detach()) == 0.0 and metrics["supervised_slots"] == 0
+    loss.backward()
+    assert draft.fc.weight.grad is not None and not draft.fc.weight.grad.any()

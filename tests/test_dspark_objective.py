@@ -192,3 +192,42 @@ def _unfused():
     import dspine_train.dspark_objective as objective
 
     return mock.patch.object(objective, "_zero3_partitioned", lambda draft: True)
+
+
+@pytest.mark.parametrize("fields", [
+    {"markov_rank": 0, "enable_confidence_head": False, "confidence_head_with_markov": False},
+    {"confidence_head_with_markov": False},
+])
+def test_fused_gradients_without_the_markov_head_or_its_confidence_input(target, fields):
+    """The heads DSpark can go without: no Markov head (no w2 in the fused terms), or a
+    confidence head on the hidden state alone; fused gradients equal the checkpointed path's."""
+    ids, loss_mask = _batch(seed=5)
+    draft = tiny_draft(target, method="dspark", loss_gamma=4.0, **fields)
+    assert (draft.markov_head is None) == (fields.get("markov_rank") == 0)
+    grads = []
+    for unfused in (False, True):
+        draft.zero_grad()
+        out, final, anchors, mask = _forward(draft, target, ids, loss_mask)
+        if unfused:
+            with _unfused():
+                loss, _ = dspark_loss(draft, out, final, loss_mask, anchors, mask, chunk_size=6)
+        else:
+            loss, _ = dspark_loss(draft, out, final, loss_mask, anchors, mask, chunk_size=6)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()
+                                      if p.grad is not None}))
+    (fused_loss, fused), (ref_loss, reference) = grads
+    torch.testing.assert_close(fused_loss, ref_loss)
+    assert set(fused) == set(reference) and "fc.weight" in fused
+    for n, g in reference.items():
+        torch.testing.assert_close(fused[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_a_batch_without_supervised_slots_gives_a_zero_loss_that_backpropagates(target):
+    ids, loss_mask = _batch()
+    draft = _dspark(target)
+    out, final, anchors, mask = _forward(draft, target, ids, loss_mask)
+    loss, metrics = dspark_loss(draft, out, final, torch.zeros_like(loss_mask), anchors, mask)
+    assert float(loss.detach()) == 0.0 and metrics["supervised_slots"] == 0
+    loss.backward()  # reaches the parameters, with zero gradients
+    assert draft.fc.weight.grad is not None and not draft.fc.weight.grad.any()
