@@ -237,6 +237,28 @@ def test_training_from_cached_features_runs_on_the_device(kind, tiny_assets, tmp
     _check_micro_batch_syncs(json.loads((tmp_path / "report.json").read_text()))
 
 
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("method", ["dspark", "dflash2", "domino"])
+def test_the_other_methods_train_on_the_device(kind, method, tiny_assets, tmp_path) -> None:
+    """DSpark, DFlash2 and Domino (their objectives make the vocabulary gradient in forward,
+    `*VocabTerms`) train, evaluate and export with every tensor on the device, and each
+    micro-batch reads the host the same number of times."""
+    if kind == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    overrides = tiny_overrides(tiny_assets, tmp_path / "run", f"model.method={method}",
+                               "optim.max_steps=3", "logging.log_every=1", "eval.every=3")
+    proc = _device_train(kind, tmp_path / "report.json", overrides)
+    check_ok(proc)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["steps"] == 3 and report["device"].startswith(kind)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "eval/tau" in r] == [3]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    if kind == DEVICE_TYPE:
+        assert len(set(report["micro_batch_syncs"])) == 1, report["micro_batch_syncs"]
+
+
 # ------------------------------------------------------------------------------ compilation
 @pytest.mark.slow
 def test_the_engine_steps_compile_with_inductor_and_stay_lossless(files) -> None:
