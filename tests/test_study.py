@@ -760,3 +760,21 @@ def test_an_empty_variant_list_is_refused(value: str, capsys: pytest.CaptureFixt
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert f"argument --variants: {value!r} names no variant" in err, err
+
+
+@pytest.mark.parametrize("native,argv,warned", [
+    (False, ["data"], True),
+    (False, ["data", "--stages", "prompts,regenerate,tokenize"], False),
+    (False, ["run", "--variants", "dspark"], True),
+    (False, ["run", "--precision", "fp32"], False),
+    (True, ["data"], False),
+])
+def test_the_long_stages_warn_on_a_cpu_without_native_bf16(monkeypatch, capsys, native, argv,
+                                                          warned) -> None:
+    import data_prep.backends.local as local
+    from scripts.tools.ablation.study_cli import build_parser, warn_without_native_bf16
+
+    monkeypatch.setattr(local, "native_bf16", lambda device: native)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    warn_without_native_bf16(build_parser().parse_args(argv))
+    assert ("no native bf16" in capsys.readouterr().err) == warned

@@ -252,11 +252,29 @@ def steps_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def warn_without_native_bf16(args: argparse.Namespace) -> None:
+    """Say so before the long stages when this CPU emulates bf16, the study's precision for
+    the features and (by default) the rows: there each costs about 3x (docs/STUDY.md)."""
+    import torch
+
+    from data_prep.backends.local import native_bf16
+
+    stages = getattr(args, "stages", "features")
+    heavy = (args.command == "data" and "features" in stages) or (
+        args.command == "run" and not args.smoke and args.precision == "bf16")
+    if heavy and not torch.cuda.is_available() and not native_bf16(torch.device("cpu")):
+        print("[study] warning: this CPU has no native bf16 (no avx512_bf16 / amx_bf16 in "
+              "/proc/cpuinfo); the study computes its features and trains its rows in bf16, "
+              "about 3x slower here than where bf16 is native: the features take ~90 min, a "
+              "row may not fit one session (docs/STUDY.md)", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; a failure prints its message and returns 1."""
     from .runner import StudyError
 
     args = build_parser().parse_args(argv)
+    warn_without_native_bf16(args)
     try:
         if args.command == "data":
             settings = data_settings(args)
