@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from .modeling import DSpineDraftModel, DSpineTrainOutput
 from .modeling.layers import vocab_projection
 from .objective import slot_weights
+from .vocab_loss import label_terms_in_place
 
 
 def lambda_base(step: int, total_steps: int, start: float, decay_ratio: float) -> float:
@@ -60,13 +61,10 @@ def _token_terms(draft: DSpineDraftModel, hidden: torch.Tensor, states: torch.Te
     return final_ce, base_ce, correct, base_correct
 
 
-def _softmax_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _label_ce_gradient(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(CE (n,), correct (n,), dCE/dz = p - onehot(label) (n, V)) of float32 logits (n, V),
     computed in their storage."""
-    correct = (logits.argmax(-1) == labels).float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    ce = (lse - logits.gather(-1, labels[:, None])).squeeze(-1)
-    grad = logits.sub_(lse).exp_()
+    ce, correct, grad = label_terms_in_place(logits, labels)
     grad.scatter_add_(-1, labels[:, None], torch.full_like(ce[:, None], -1.0))
     return ce, correct, grad
 
@@ -94,9 +92,9 @@ class DominoVocabTerms(torch.autograd.Function):
             base = vocab_projection(normed[part], head)  # (n, V)
             on = corrected[part, None].to(base.dtype)
             final = base + F.linear(mid[part], w_out).to(base.dtype) * on
-            final_ce[part], correct[part], grad_final = _softmax_ce(final.float(), labels[part])
+            final_ce[part], correct[part], grad_final = _label_ce_gradient(final.float(), labels[part])
             del final
-            base_ce[part], base_correct[part], grad_base = _softmax_ce(base.float(), labels[part])
+            base_ce[part], base_correct[part], grad_base = _label_ce_gradient(base.float(), labels[part])
             del base
             grad_final.mul_(coef_final[part, None])
             grad_base.mul_(coef_base[part, None]).add_(grad_final)  # base feeds final too
@@ -107,8 +105,6 @@ class DominoVocabTerms(torch.autograd.Function):
             m = mid[part].to(w_out.dtype)
             grad_w = grad_delta.T @ m if grad_w is None else grad_w.addmm_(grad_delta.T, m)
             del grad_final, grad_delta
-        if grad_w is None:
-            grad_w = torch.zeros_like(w_out)
         ctx.save_for_backward(grad_normed, grad_mid, grad_w)
         ctx.mark_non_differentiable(*out)
         return (coef_final * final_ce + coef_base * base_ce).sum(), *out

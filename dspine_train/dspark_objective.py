@@ -19,8 +19,9 @@ Full-vocabulary logits exist for one chunk of slots at a time, so B x S x V is n
 materialised (METHOD 4). As DSpine's backbone terms (`vocab_loss.BackboneVocabTerms`), each
 chunk's CE and L1 terms are computed with their gradient in forward (`DSparkVocabTerms`): with
 respect to the normed states, the Markov embeddings and `markov_w2` (one (V, r) sum over the
-chunks), then the (n, V) logits are freed and backward is one multiply. Recomputing them in backward (activation checkpointing)
-cost two more V x H projections per slot (the draft's and the target's) and one more V x r.
+chunks), then the (n, V) logits are freed and backward is one multiply. Recomputing them in
+backward (activation checkpointing) cost two more V x H projections per slot (the draft's and
+the target's) and one more V x r.
 The confidence head's BCE stays in autograd (it reads no vocabulary). Under ZeRO-3, where
 `markov_w2` is only gathered inside its module's forward, the chunks are checkpointed instead.
 
@@ -39,6 +40,7 @@ from .modeling import DSpineDraftModel, DSpineTrainOutput
 from .modeling.layers import vocab_projection
 from .modeling.markov_head import confidence_scores
 from .objective import slot_weights
+from .vocab_loss import label_terms_in_place
 
 
 class DSparkVocabTerms(torch.autograd.Function):
@@ -68,11 +70,7 @@ class DSparkVocabTerms(torch.autograd.Function):
             if w2 is not None:
                 e = embedded[part].to(w2.dtype)
                 logits = logits + F.linear(e, w2).to(logits.dtype)
-            logits = logits.float()  # (n, V)
-            correct[part] = (logits.argmax(-1) == labels[part]).float()
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            ce[part] = (lse - logits.gather(-1, labels[part, None])).squeeze(-1)
-            p = logits.sub_(lse).exp_()  # the logits' storage
+            ce[part], correct[part], p = label_terms_in_place(logits.float(), labels[part])
             del logits
             if target_hidden is None:
                 grad = p

@@ -102,6 +102,18 @@ def target_topk(
     return torch.cat(ids), torch.cat(probs), torch.cat(lses)
 
 
+def label_terms_in_place(logits: torch.Tensor, labels: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CE (n,), correct (n,), p (n, V)) of float32 logits (n, V) and labels (n,): the label's
+    cross-entropy, whether the argmax is the label, and the softmax, written into the logits'
+    storage (the logits are gone after the call). The methods' objectives that make their
+    gradient in forward build it from p (`dspark_objective`, `domino_objective`)."""
+    correct = (logits.argmax(-1) == labels).float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    ce = (lse - logits.gather(-1, labels[:, None])).squeeze(-1)
+    return ce, correct, logits.sub_(lse).exp_()
+
+
 class BackboneVocabTerms(torch.autograd.Function):
     """(normed (n, H), head (V, H), labels (n,), c, target, K) ->
     mix (n,) = c * CE + (1 - c) * L1 (differentiable in `normed`), and detached: CE (n,),

@@ -259,8 +259,7 @@ def warn_without_native_bf16(args: argparse.Namespace) -> None:
 
     from data_prep.backends.local import native_bf16
 
-    stages = getattr(args, "stages", "features")
-    heavy = (args.command == "data" and "features" in stages) or (
+    heavy = (args.command == "data" and "features" in args.stages) or (
         args.command == "run" and not args.smoke and args.precision == "bf16")
     if heavy and not torch.cuda.is_available() and not native_bf16(torch.device("cpu")):
         print("[study] warning: this CPU has no native bf16 (no avx512_bf16 / amx_bf16 in "
