@@ -285,20 +285,87 @@ def test_cache_features_refuses_data_without_supervised_tokens(mask, tiny_assets
     assert not features.exists()
 
 
-def test_cache_features_full_disk_names_enospc_and_leaves_nothing(tiny_assets, tmp_path,
-                                                                  monkeypatch, capsys):
+def test_cache_features_full_disk_names_enospc_and_keeps_a_resumable_build(
+        tiny_assets, tmp_path, monkeypatch, capsys):
+    """A full disk on the third shard: one error line naming ENOSPC and the partial build; no
+    cache appears, the saved shards are kept, and the rerun resumes after them into the cache an
+    uninterrupted run writes, file for file."""
+    import dspine_train.training.cache_features as tool
     import dspine_train.training.offline_features as offline
-    from dspine_train.training.cache_features import main
 
-    def full_disk(tensors, filename, *args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
-
-    monkeypatch.setattr(offline, "save_file", full_disk)
-    features = tmp_path / "features"
-    code, err = run_cli(main, cache_args(tiny_assets, tmp_path, features), tmp_path,
+    monkeypatch.setattr(tool, "SHARD_TOKENS", 1500)  # several shards of the tiny data
+    whole = tmp_path / "whole"
+    code, err = run_cli(tool.main, cache_args(tiny_assets, tmp_path, whole), tmp_path,
                         monkeypatch, capsys)
-    assert_one_line_error(code, err, "ENOSPC", "data.offline_features_dir")
-    assert leftovers(features) == []  # the cache is built beside itself: nothing is left
+    assert code == 0, err[-2000:]
+
+    save_file, saves = offline.save_file, []
+
+    def full_disk_on_the_third_shard(tensors, filename, *args, **kwargs):
+        saves.append(filename)
+        if len(saves) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(offline, "save_file", full_disk_on_the_third_shard)
+    features = tmp_path / "features"
+    code, err = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features), tmp_path,
+                        monkeypatch, capsys)
+    partial = tmp_path / ".features.partial"
+    assert_one_line_error(code, err, "ENOSPC", "data.offline_features_dir",
+                          f"kept in {partial}: rerun to resume")
+    assert leftovers(features) == [".features.partial"]  # no cache, a resumable build
+    assert sorted(p.name for p in (partial / "train").iterdir()) == [
+        "progress.json", "shard_00000.safetensors", "shard_00001.safetensors"]
+
+    code, err = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features), tmp_path,
+                        monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    assert leftovers(features) == ["features"]
+    assert _files(features) == _files(whole)
+
+
+def test_cache_features_discards_a_partial_build_of_other_settings(tiny_assets, tmp_path,
+                                                                   monkeypatch, capsys):
+    """A partial build made with other settings (here max_length 64, rerun with 32) is not
+    resumed: the run says so and builds the cache of its own settings whole."""
+    from safetensors.torch import load_file
+
+    import dspine_train.training.cache_features as tool
+    import dspine_train.training.offline_features as offline
+
+    monkeypatch.setattr(tool, "SHARD_TOKENS", 1500)
+    save_file, saves = offline.save_file, []
+
+    def full_disk_on_the_second_shard(tensors, filename, *args, **kwargs):
+        saves.append(filename)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return save_file(tensors, filename, *args, **kwargs)
+
+    features = tmp_path / "features"
+    with monkeypatch.context() as patch:
+        patch.setattr(offline, "save_file", full_disk_on_the_second_shard)
+        code, _ = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features), tmp_path,
+                          patch, capsys)
+    assert code == 1 and (tmp_path / ".features.partial" / "train" / "progress.json").is_file()
+    monkeypatch.setattr(sys, "argv", ["cli", f"--config-path={RECIPES}",
+                                      *cache_args(tiny_assets, tmp_path, features,
+                                                  "data.max_length=32"),
+                                      f"hydra.run.dir={tmp_path / 'hydra'}"])
+    with single_thread():
+        tool.main()
+    assert f"discarding {tmp_path / '.features.partial'}" in capsys.readouterr().out
+    assert leftovers(features) == ["features"]
+    for split in ("train", "eval"):
+        index = json.loads((features / split / "index.json").read_text())
+        assert index["max_length"] == 32
+        rows = 0
+        for shard in index["shards"]:  # every row cut to 32 tokens: none from the 64 build
+            offsets = load_file(str(features / split / shard["file"]))["offsets"]
+            assert int(offsets.diff().max()) <= 32
+            rows += len(offsets) - 1
+        assert rows == index["num_rows"]
 
 
 # --------------------------------------------------------------- cache_features: overlaps
@@ -309,6 +376,12 @@ def _copy_assets(assets: dict[str, Path], root: Path) -> dict[str, Path]:
         copy[key] = root / "assets" / key
         shutil.copytree(assets[key], copy[key])
     return copy
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    """Every file under `path` by relative name, with its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
 
 
 def _tree(path: Path) -> dict[str, int]:

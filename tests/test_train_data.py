@@ -40,6 +40,7 @@ from dspine_train.training.offline_features import (
     CacheIdentity,
     OfflineFeatures,
     write_feature_cache,
+    write_split_resumable,
 )
 from dspine_train.training.target import (
     TargetFeatureExtractor,
@@ -230,6 +231,75 @@ def test_token_table_of_another_shape_is_refused(tiny_assets, tmp_path: Path) ->
 
 
 # ---------------------------------------------------------------------------- offline features
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("shard_tokens", [1500, 1 << 20], ids=["several_shards", "one_shard"])
+def test_a_stopped_feature_cache_resumes_into_the_uninterrupted_cache(shard_tokens: int,
+                                                                      tiny_assets,
+                                                                      tmp_path: Path) -> None:
+    """A run stopped on its 4th batch (here: the extractor fails), with the half-written file a
+    kill leaves, resumes after the rows it saved (finished shards, and the chunks of the shard
+    being filled, saved here after every batch): every file then equals an uninterrupted run's,
+    byte for byte, and only the rows after the saved ones are computed again."""
+    cfg = _config(tiny_assets, tmp_path)
+    target = load_target(cfg.model.target_path, "float32", torch.device("cpu"))
+    batches = TokenBatches(datasets.load_from_disk(str(tiny_assets["data"]))["train"], 64, 512,
+                           "data.train_path")
+    extract = TargetFeatureExtractor(target, [1, 2])
+    identity = CacheIdentity(cfg.model.target_path, [1, 2], 64, len(batches))
+    head = (target_head_weights(target)[1].float(), 4)
+    settings = {"batch_size": 16, "shard_tokens": shard_tokens, "topk": head}
+    whole = tmp_path / "whole"
+    write_feature_cache(whole, batches, extract, identity, torch.device("cpu"), **settings)
+    shards = len(json.loads((whole / "index.json").read_text())["shards"])
+    assert shards >= 3 if shard_tokens == 1500 else shards == 1
+
+    calls: list[int] = []
+    stop_at = [4]
+
+    class Stopped(Exception):
+        pass
+
+    def stops_on_a_batch(*args: torch.Tensor):
+        calls.append(1)
+        if len(calls) == stop_at[0]:
+            raise Stopped
+        return extract(*args)
+
+    split = tmp_path / "resumed"
+    with pytest.raises(Stopped):
+        write_split_resumable(split, batches, stops_on_a_batch, identity, torch.device("cpu"),
+                              save_every_s=0, **settings)
+    progress = json.loads((split / "progress.json").read_text())
+    saved = sum(s["num_rows"] for s in progress["shards"] + progress["chunks"])
+    assert saved == 3 * 16 and progress["chunks"]  # 3 batches, the last ones in chunks
+    assert not (split / "index.json").exists()
+    (split / "chunk_00009_00000.safetensors.partial").write_bytes(b"half")
+
+    calls.clear()
+    stop_at[0] = 0  # no stop
+    kept = write_split_resumable(split, batches, stops_on_a_batch, identity,
+                                 torch.device("cpu"), save_every_s=0, **settings)
+    assert kept == saved
+    assert len(calls) == -(-(len(batches) - saved) // 16)  # only the rows after the saved ones
+    assert _files(split) == _files(whole)
+
+    # other settings do not resume: the partial build is discarded, the cache is rebuilt whole
+    calls.clear()
+    stop_at[0] = 4
+    with pytest.raises(Stopped):
+        write_split_resumable(split / "x", batches, stops_on_a_batch, identity,
+                              torch.device("cpu"), save_every_s=0, **settings)
+    other = {**settings, "batch_size": 8}
+    assert write_split_resumable(split / "x", batches, extract, identity, torch.device("cpu"),
+                                 **other) == 0
+    write_feature_cache(tmp_path / "whole2", batches, extract, identity, torch.device("cpu"),
+                        **other)
+    assert _files(split / "x") == _files(tmp_path / "whole2")
+
+
 def test_offline_features_give_the_online_loss(tiny_assets, tmp_path: Path) -> None:
     cfg = _config(tiny_assets, tmp_path)
     target = load_target(cfg.model.target_path, "float32", torch.device("cpu"))

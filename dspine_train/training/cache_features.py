@@ -16,14 +16,18 @@ Single process; the cache is ~(n + 1) x H x 2 bytes per token in bf16 (~40 KB fo
 table: equal, inside or containing) and, when it exists, must be a directory this tool wrote
 (marker `.data_prep.cache_features`, the name it has always had) or empty; anything else is
 refused by name. It is locked
-for the run (a second run into it is refused, naming the first), built beside itself and
-swapped in whole, so a failure (a full disk: one line) leaves the old cache intact. The cache
+for the run (a second run into it is refused, naming the first), built beside itself (in
+`.NAME.partial`) and swapped in whole, so a failure (a full disk: one line) leaves the old cache
+intact. A stopped or failed run keeps its partial build (finished shards, and every 5 minutes
+the rows of the shard being filled): the same command resumes it from the next row, and the
+cache equals an uninterrupted run's (other inputs or settings discard it). The cache
 records the fingerprints of the target and of the token data (see `offline_features`), which
 training checks.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -32,7 +36,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from dspine_train.checkpoint_io import build_dir, clean_dead_builds, replace_dir
+from dspine_train.checkpoint_io import clean_dead_builds, replace_dir, write_json_atomic
 from dspine_train.cli_errors import existing_output, os_error_line, write_os_error
 from dspine_train.output_lock import OutputLockedError, lock_output
 from dspine_train.owned_dir import (
@@ -54,7 +58,8 @@ from dspine_train.training.offline_features import (
     INDEX_FILE,
     cache_identity,
     estimate_cache_bytes,
-    write_feature_cache,
+    resume_key,
+    write_split_resumable,
 )
 from dspine_train.training.recipe_help import RECIPES_DIR, exit_on_help
 from dspine_train.training.target import TargetFeatureExtractor, load_target, target_head_weights
@@ -65,6 +70,8 @@ RECIPES = str(RECIPES_DIR)
 # name lets a new run replace them.
 MARKER = ".data_prep.cache_features"
 TOOL = "dspine_train.training.cache_features"
+PLAN_FILE = "plan.json"  # what a partial build is of: each split's resume key
+SHARD_TOKENS = 1 << 20  # tokens per shard file
 
 
 def _inputs(config: TrainConfig) -> dict[str, list[str]]:
@@ -79,6 +86,18 @@ def check_output_dir(root: Path, config: TrainConfig) -> None:
     """Refuse a `data.offline_features_dir` overlapping an input or holding foreign files."""
     check_replaceable(root, "data.offline_features_dir", MARKER, TOOL, _inputs(config),
                       is_legacy=_is_legacy_cache)
+
+
+def partial_dir(root: Path) -> Path:
+    """Where the cache of `root` is built, and kept between a stopped run and its rerun."""
+    return root.parent / f".{root.name}.partial"
+
+
+def _read_plan(build: Path) -> object:
+    try:
+        return json.loads((build / PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _is_legacy_cache(root: Path) -> bool:
@@ -130,18 +149,33 @@ def _cache_features_locked(config: TrainConfig, root: Path) -> list[Path]:
     topk = ((target_head_weights(target)[1].float(), d.target_topk) if d.target_topk > 0
             else None)
     # The whole cache (every split) is built beside `root` and swapped in at once: a failure
-    # (a full disk) on the last split leaves the old cache whole, not half new.
+    # (a full disk) on the last split leaves the old cache whole, not half new. The build is
+    # kept when the run stops or fails, and the next run with the same inputs resumes it.
     clean_dead_builds(root)
-    build = build_dir(root)
-    try:
-        write_marker(build, MARKER, TOOL)
-        for split, batches in datasets:
-            identity = cache_identity(m.target_path, layer_ids, d.max_length, batches)
-            write_feature_cache(build / split, batches, extract, identity, device,
-                                batch_size=max(1, d.batch_size), topk=topk)
-        replace_dir(build, root)
-    finally:
-        shutil.rmtree(build, ignore_errors=True)
+    build = partial_dir(root)
+    identities = {split: cache_identity(m.target_path, layer_ids, d.max_length, batches)
+                  for split, batches in datasets}
+    plan = {split: resume_key(identity, max(1, d.batch_size), SHARD_TOKENS, topk)
+            for split, identity in identities.items()}
+    if build.exists() and _read_plan(build) != plan:
+        print(f"discarding {build}: a partial cache of other inputs or settings")
+        shutil.rmtree(build)
+    elif build.exists():
+        print(f"resuming the partial cache in {build}")
+    build.mkdir(parents=True, exist_ok=True)
+    write_marker(build, MARKER, TOOL)
+    write_json_atomic(build / PLAN_FILE, plan)
+    for split, batches in datasets:
+        if (build / split / INDEX_FILE).is_file():
+            print(f"split {split!r}: already cached in {build / split}")
+            continue
+        kept = write_split_resumable(build / split, batches, extract, identities[split], device,
+                                     batch_size=max(1, d.batch_size), shard_tokens=SHARD_TOKENS,
+                                     topk=topk)
+        if kept:
+            print(f"split {split!r}: resumed after {kept} of {len(batches)} rows")
+    (build / PLAN_FILE).unlink()
+    replace_dir(build, root)
     written = [root / split for split, _ in datasets]
     for out in written:
         print(f"wrote {out}")
@@ -163,7 +197,11 @@ def main(cfg: DictConfig) -> None:
         if os_error is None:
             raise
         where = f"data.offline_features_dir {root}"
-        print(f"error: {os_error_line(os_error, where, kept)}", file=sys.stderr)
+        line = os_error_line(os_error, where, kept)
+        if partial_dir(Path(root)).is_dir():
+            line += (f"; the features cached so far are kept in {partial_dir(Path(root))}: "
+                     "rerun to resume, or delete it")
+        print(f"error: {line}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -32,14 +32,16 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..checkpoint_io import (
@@ -48,6 +50,7 @@ from ..checkpoint_io import (
     clean_dead_builds,
     open_safetensors,
     replace_dir,
+    write_json_atomic,
 )
 from ..owned_dir import check_replaceable
 from ..vocab_loss import target_topk
@@ -56,6 +59,8 @@ from .errors import TrainingError
 from .target import TargetFeatures
 
 INDEX_FILE = "index.json"
+# a split being built: the shards saved so far (`write_split_resumable`)
+PROGRESS_FILE = "progress.json"
 # Config keys that do not change what the target computes (where it was saved from, by which
 # transformers release), left out of its fingerprint.
 _UNFINGERPRINTED_CONFIG_KEYS = ("_name_or_path", "transformers_version")
@@ -154,57 +159,162 @@ def write_feature_cache(
     clean_dead_builds(out_dir)
     tmp = build_dir(out_dir)
     try:
-        _write_shards(tmp, batches, extract, identity, device, batch_size, shard_tokens, topk)
+        writer = _ShardWriter(tmp, shard_tokens, {"dtype": None, "shards": [], "chunks": []})
+        writer.write(batches, extract, identity, device, batch_size, topk)
         replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_shards(
-    tmp: Path,
+def resume_key(identity: CacheIdentity, batch_size: int, shard_tokens: int,
+               topk: tuple[torch.Tensor, int] | None) -> dict[str, object]:
+    """What decides a split's shards: a partial build made with another key is not resumed."""
+    key = {**identity.__dict__, "batch_size": batch_size, "shard_tokens": shard_tokens,
+           "target_topk": topk[1] if topk is not None else 0}
+    return json.loads(json.dumps(key))  # as it reads back from the progress file
+
+
+def write_split_resumable(
+    split_dir: Path,
     batches: TokenBatches,
     extract: Callable[[torch.Tensor, torch.Tensor], TargetFeatures],
     identity: CacheIdentity,
     device: torch.device,
-    batch_size: int,
-    shard_tokens: int,
-    topk: tuple[torch.Tensor, int] | None,
-) -> None:
-    shards: list[dict[str, int | str]] = []
-    pending: list[tuple[torch.Tensor, ...]] = []
-    pending_tokens, first_row, dtype = 0, 0, None
+    batch_size: int = 8,
+    shard_tokens: int = 1 << 20,
+    topk: tuple[torch.Tensor, int] | None = None,
+    save_every_s: float = 300.0,
+) -> int:
+    """Write one split's cache into `split_dir`, resuming what an earlier, stopped run saved.
 
-    def flush() -> None:
-        nonlocal pending, pending_tokens, first_row
-        if not pending:
+    Finished shards are saved whole (written aside, renamed in) before `progress.json` lists
+    them; the rows of the shard being filled are saved too, as a chunk of the rows since the last
+    save, every `save_every_s` seconds. So a kill loses at most that long, however large a shard
+    is. A rerun with the same `resume_key` keeps the listed files, reloads the saved rows and goes
+    on from the first row after them, with the same batches: every file then equals an
+    uninterrupted run's. Another key (other inputs or settings) starts over. The progress file
+    and the chunks are removed once `index.json` is written. Returns the rows kept from before.
+    """
+    key = resume_key(identity, batch_size, shard_tokens, topk)
+    progress_path = split_dir / PROGRESS_FILE
+    state = json.loads(progress_path.read_text()) if progress_path.is_file() else None
+    if state is None or state.get("key") != key:
+        shutil.rmtree(split_dir, ignore_errors=True)
+        state = {"key": key, "dtype": None, "shards": [], "chunks": []}
+    split_dir.mkdir(parents=True, exist_ok=True)
+    listed = {s["file"] for s in state["shards"] + state["chunks"]} | {PROGRESS_FILE}
+    for stray in split_dir.iterdir():  # the file a kill interrupted
+        if stray.name not in listed:
+            stray.unlink()
+    writer = _ShardWriter(split_dir, shard_tokens, state,
+                          lambda: write_json_atomic(progress_path, state))
+    kept = writer.next_row
+    writer.write(batches, extract, identity, device, batch_size, topk, save_every_s)
+    progress_path.unlink()
+    return kept
+
+
+_FEATURE_NAMES = ("context", "final_hidden", "topk_ids", "topk_probs", "target_lse")
+
+
+def _pack(rows: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+    """Rows of features as one file's tensors: each feature concatenated, plus the offsets."""
+    lengths = torch.tensor([0] + [row[0].shape[0] for row in rows])
+    tensors = {key: torch.cat([row[i] for row in rows]).contiguous()
+               for i, key in enumerate(_FEATURE_NAMES[: len(rows[0])])}
+    return {**tensors, "offsets": torch.cumsum(lengths, 0)}
+
+
+def _unpack(tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """The rows `_pack` packed, in order."""
+    offsets = tensors["offsets"].tolist()
+    names = [key for key in _FEATURE_NAMES if key in tensors]
+    return [tuple(tensors[key][a:b] for key in names) for a, b in zip(offsets, offsets[1:])]
+
+
+class _ShardWriter:
+    """Fills shards of `shard_tokens` rows' worth, cut at batch boundaries, in `out`.
+
+    `state` ({"dtype", "shards", "chunks"}: the finished shards and the saved rows of the one being
+    filled) is where a stopped run left off; `save_state` (None: not resumable) records it after
+    every file is written. A resumed run starts at a batch boundary (every file ends at one), so
+    its batches, and with them every stored value and the shards' cut, are an uninterrupted run's.
+    """
+
+    def __init__(self, out: Path, shard_tokens: int, state: dict[str, Any],
+                 save_state: Callable[[], None] | None = None) -> None:
+        self.out, self.shard_tokens, self.state, self.save_state = (
+            out, shard_tokens, state, save_state)
+        self.pending: list[tuple[torch.Tensor, ...]] = []
+        for chunk in state["chunks"]:
+            self.pending += _unpack(load_file(str(out / chunk["file"])))
+        self.saved = len(self.pending)  # pending rows already in a chunk
+        self.pending_tokens = sum(row[0].shape[0] for row in self.pending)
+        self.next_row = sum(int(s["num_rows"]) for s in state["shards"]) + len(self.pending)
+
+    def _save(self, name: str, rows: list[tuple[torch.Tensor, ...]]) -> None:
+        aside = self.out / f"{name}.partial"
+        save_file(_pack(rows), str(aside))
+        aside.rename(self.out / name)
+
+    def flush(self) -> None:
+        """Save the pending rows as the next shard (and drop the chunks they were saved in)."""
+        if not self.pending:
             return
-        lengths = torch.tensor([0] + [p[0].shape[0] for p in pending])
+        shards = self.state["shards"]
         name = f"shard_{len(shards):05d}.safetensors"
-        names = ("context", "final_hidden", "topk_ids", "topk_probs", "target_lse")
-        tensors = {key: torch.cat([p[i] for p in pending]).contiguous()
-                   for i, key in enumerate(names[: len(pending[0])])}
-        save_file({**tensors, "offsets": torch.cumsum(lengths, 0)}, str(tmp / name))
-        shards.append({"file": name, "first_row": first_row, "num_rows": len(pending)})
-        first_row += len(pending)
-        pending, pending_tokens = [], 0
+        self._save(name, self.pending)
+        shards.append({"file": name, "first_row": self.next_row - len(self.pending),
+                       "num_rows": len(self.pending)})
+        chunks, self.state["chunks"] = self.state["chunks"], []
+        if self.save_state is not None:
+            self.save_state()
+        for chunk in chunks:
+            (self.out / chunk["file"]).unlink()
+        self.pending, self.pending_tokens, self.saved = [], 0, 0
 
-    rows = list(range(len(batches)))
-    for start in tqdm(range(0, len(rows), batch_size), desc="caching target features", unit="batch"):
-        batch = batches.collate(rows[start : start + batch_size]).to(device)
-        feats = extract(batch.input_ids, batch.attention_mask)
-        dtype = feats.context.dtype
-        for i, n in enumerate(batch.attention_mask.sum(1).tolist()):
-            row = (feats.context[i, :n].cpu(), feats.final_hidden[i, :n].cpu())
-            if topk is not None:
-                row += tuple(t.cpu() for t in target_topk(feats.final_hidden[i, :n], *topk))
-            pending.append(row)
-            pending_tokens += n
-        if pending_tokens >= shard_tokens:
-            flush()
-    flush()
-    index = {**identity.__dict__, "dtype": str(dtype).removeprefix("torch."),
-             "target_topk": topk[1] if topk is not None else 0, "shards": shards}
-    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    def save_pending(self) -> None:
+        """Save the pending rows not in a chunk yet as one more chunk."""
+        if self.save_state is None or self.saved == len(self.pending):
+            return
+        chunks = self.state["chunks"]
+        name = f"chunk_{len(self.state['shards']):05d}_{len(chunks):05d}.safetensors"
+        self._save(name, self.pending[self.saved :])
+        chunks.append({"file": name, "num_rows": len(self.pending) - self.saved})
+        self.saved = len(self.pending)
+        self.save_state()
+
+    def write(self, batches: TokenBatches,
+              extract: Callable[[torch.Tensor, torch.Tensor], TargetFeatures],
+              identity: CacheIdentity, device: torch.device, batch_size: int,
+              topk: tuple[torch.Tensor, int] | None, save_every_s: float = 300.0) -> None:
+        """Every row from `next_row` on, then the last shard and the index."""
+        total = len(batches)
+        last_save = time.monotonic()
+        for start in tqdm(range(self.next_row, total, batch_size), desc="caching target features",
+                          unit="batch", initial=self.next_row // batch_size,
+                          total=-(-total // batch_size)):
+            batch = batches.collate(list(range(start, min(start + batch_size, total))))
+            batch = batch.to(device)
+            feats = extract(batch.input_ids, batch.attention_mask)
+            self.state["dtype"] = str(feats.context.dtype).removeprefix("torch.")
+            for i, n in enumerate(batch.attention_mask.sum(1).tolist()):
+                row = (feats.context[i, :n].cpu(), feats.final_hidden[i, :n].cpu())
+                if topk is not None:
+                    row += tuple(t.cpu() for t in target_topk(feats.final_hidden[i, :n], *topk))
+                self.pending.append(row)
+                self.pending_tokens += n
+            self.next_row = min(start + batch_size, total)
+            if self.pending_tokens >= self.shard_tokens:
+                self.flush()
+            elif time.monotonic() - last_save >= save_every_s:
+                self.save_pending()
+                last_save = time.monotonic()
+        self.flush()
+        index = {**identity.__dict__, "dtype": str(self.state["dtype"]),
+                 "target_topk": topk[1] if topk is not None else 0,
+                 "shards": self.state["shards"]}
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
 class OfflineFeatures:
