@@ -359,7 +359,14 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     meta["study_variants"] = ["dspine", "dflash", "dspine_no_alignment"]
     text = write_study_report(records, meta, tmp_path / "docs" / "study_y")[0].read_text()
     planned = table_row(text, "dspine_no_alignment")
-    assert planned[-1] == "not yet" and set(planned[1:-1]) <= {"-", "`-`"}  # no numbers yet
+    assert planned[7] == "not yet" and set(planned[1:7] + planned[8:]) <= {"-", "`-`"}
+    # the provenance table names the CPU and the feature cache each row trained on
+    session = {"machine": {"cpu": "Some CPU"}, "features_digest": "0123456789abcdef"}
+    records[1] = dataclasses.replace(records[1], session=session)
+    text = write_study_report(records, meta, tmp_path / "docs" / "study_z")[0].read_text()
+    provenance = text[text.index("## Wall time and provenance"):]
+    assert table_row(provenance, "dflash")[-2:] == ["Some CPU", "`01234567`"]
+    assert table_row(provenance, "dspine")[-2:] == ["-", "-"]
 
 
 def test_conditional_acceptance_is_where_the_chain_breaks() -> None:

@@ -134,10 +134,12 @@ def _provenance_cells(name: str, r: StudyRecord | None, plan: dict[str, Any]) ->
     session = (r.session if r else None) or {}
     rate = session.get("s_per_step_plan") or (plan.get(name) or {}).get("s_per_step")
     commit = (session.get("commit") or "-")[:10]
+    digest = (session.get("features_digest") or "")[:8]
     return [name, (r.precision if r else None) or "-", _f(rate, 2),
             _hours(r.train_wall_s if r else None), r.sessions if r else "-",
             _hours(r.engine_wall_s if r else None), f"`{commit}`",
-            session.get("date") or "not yet"]
+            session.get("date") or "not yet", (session.get("machine") or {}).get("cpu") or "-",
+            f"`{digest}`" if digest else "-"]
 
 
 def markdown(records: list[StudyRecord], meta: dict[str, Any],
@@ -210,11 +212,16 @@ def markdown(records: list[StudyRecord], meta: dict[str, Any],
     if names:
         lines += ["## Wall time and provenance of each variant", ""]
         lines += table(["variant", "precision", "s/step (plan)", "train wall", "sessions",
-                        "engine eval", "commit", "piece started"],
+                        "engine eval", "commit", "piece started", "CPU", "features"],
                        [_provenance_cells(name, by.get(name), plan) for name in names])
         lines += ["", "The train wall time is measured in the session that trained the variant; "
                   "sessions do not all run on equally fast machines, so it compares variants "
-                  "only roughly. " + ("The step times below, measured side by side, are the "
+                  "only roughly. The features column is the digest of the feature cache the "
+                  "row trained on (`study.features_digest`): the bf16 target's features are "
+                  "rebuilt in each session, and bf16 matrix products differ in their last bits "
+                  "between CPUs (native or emulated bf16, other kernels), so rows with different "
+                  "digests trained on features that differ at that precision. "
+                  + ("The step times below, measured side by side, are the "
                                       "comparison." if steps else "`python scripts/study.py "
                                       "steps` measures the step times side by side."), ""]
     if steps:
