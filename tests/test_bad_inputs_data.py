@@ -368,6 +368,19 @@ def test_cache_features_discards_a_partial_build_of_other_settings(tiny_assets, 
         assert rows == index["num_rows"]
 
 
+def test_cache_features_refuses_a_build_directory_it_did_not_write(tiny_assets, tmp_path,
+                                                                    monkeypatch, capsys):
+    from dspine_train.training.cache_features import main
+
+    foreign = tmp_path / ".features.partial"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("mine")
+    code, err = run_cli(main, cache_args(tiny_assets, tmp_path, tmp_path / "features"),
+                        tmp_path, monkeypatch, capsys)
+    assert_one_line_error(code, err, "data.offline_features_dir", str(foreign), "did not write")
+    assert _files(foreign) == {"mine.txt": b"mine"} and not (tmp_path / "features").exists()
+
+
 # --------------------------------------------------------------- cache_features: overlaps
 def _copy_assets(assets: dict[str, Path], root: Path) -> dict[str, Path]:
     """A private copy of the tiny target and dataset: the test may see them destroyed."""

@@ -157,6 +157,9 @@ def _cache_features_locked(config: TrainConfig, root: Path) -> list[Path]:
                   for split, batches in datasets}
     plan = {split: resume_key(identity, max(1, d.batch_size), SHARD_TOKENS, topk)
             for split, identity in identities.items()}
+    if build.exists() and not (build / MARKER).is_file() and any(build.iterdir()):
+        raise OwnedDirError(f"data.offline_features_dir: {build}, where this cache is built, "
+                            "holds files this tool did not write; move them away")
     if build.exists() and _read_plan(build) != plan:
         print(f"discarding {build}: a partial cache of other inputs or settings")
         shutil.rmtree(build)
