@@ -285,6 +285,19 @@ def test_cache_features_refuses_data_without_supervised_tokens(mask, tiny_assets
     assert not features.exists()
 
 
+def full_disk_on_save(save_file: Callable[..., None], number: int) -> Callable[..., None]:
+    """`save_file` that fails with ENOSPC on its `number`-th call (the shards before it land)."""
+    saves: list[str] = []
+
+    def save(tensors, filename, *args, **kwargs):
+        saves.append(filename)
+        if len(saves) == number:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return save_file(tensors, filename, *args, **kwargs)
+
+    return save
+
+
 def test_cache_features_full_disk_names_enospc_and_keeps_a_resumable_build(
         tiny_assets, tmp_path, monkeypatch, capsys):
     """A full disk on the third shard: one error line naming ENOSPC and the partial build; no
@@ -299,15 +312,7 @@ def test_cache_features_full_disk_names_enospc_and_keeps_a_resumable_build(
                         monkeypatch, capsys)
     assert code == 0, err[-2000:]
 
-    save_file, saves = offline.save_file, []
-
-    def full_disk_on_the_third_shard(tensors, filename, *args, **kwargs):
-        saves.append(filename)
-        if len(saves) == 3:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
-        return save_file(tensors, filename, *args, **kwargs)
-
-    monkeypatch.setattr(offline, "save_file", full_disk_on_the_third_shard)
+    monkeypatch.setattr(offline, "save_file", full_disk_on_save(offline.save_file, 3))
     features = tmp_path / "features"
     code, err = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features), tmp_path,
                         monkeypatch, capsys)
@@ -335,17 +340,9 @@ def test_cache_features_discards_a_partial_build_of_other_settings(tiny_assets, 
     import dspine_train.training.offline_features as offline
 
     monkeypatch.setattr(tool, "SHARD_TOKENS", 1500)
-    save_file, saves = offline.save_file, []
-
-    def full_disk_on_the_second_shard(tensors, filename, *args, **kwargs):
-        saves.append(filename)
-        if len(saves) == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
-        return save_file(tensors, filename, *args, **kwargs)
-
     features = tmp_path / "features"
     with monkeypatch.context() as patch:
-        patch.setattr(offline, "save_file", full_disk_on_the_second_shard)
+        patch.setattr(offline, "save_file", full_disk_on_save(offline.save_file, 2))
         code, _ = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features), tmp_path,
                           patch, capsys)
     assert code == 1 and (tmp_path / ".features.partial" / "train" / "progress.json").is_file()

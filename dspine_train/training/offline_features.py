@@ -159,7 +159,7 @@ def write_feature_cache(
     clean_dead_builds(out_dir)
     tmp = build_dir(out_dir)
     try:
-        writer = _ShardWriter(tmp, shard_tokens, {"dtype": None, "shards": [], "chunks": []})
+        writer = _ShardWriter(tmp, shard_tokens)
         writer.write(batches, extract, identity, device, batch_size, topk)
         replace_dir(tmp, out_dir)
     finally:
@@ -200,7 +200,7 @@ def write_split_resumable(
     state = json.loads(progress_path.read_text()) if progress_path.is_file() else None
     if state is None or state.get("key") != key:
         shutil.rmtree(split_dir, ignore_errors=True)
-        state = {"key": key, "dtype": None, "shards": [], "chunks": []}
+        state = {"key": key, **_new_state()}
     split_dir.mkdir(parents=True, exist_ok=True)
     listed = {s["file"] for s in state["shards"] + state["chunks"]} | {PROGRESS_FILE}
     for stray in split_dir.iterdir():  # the file a kill interrupted
@@ -212,6 +212,11 @@ def write_split_resumable(
     writer.write(batches, extract, identity, device, batch_size, topk, save_every_s)
     progress_path.unlink()
     return kept
+
+
+def _new_state() -> dict[str, Any]:
+    """A `_ShardWriter` state with nothing written yet."""
+    return {"dtype": None, "shards": [], "chunks": []}
 
 
 _FEATURE_NAMES = ("context", "final_hidden", "topk_ids", "topk_probs", "target_lse")
@@ -241,16 +246,17 @@ class _ShardWriter:
     its batches, and with them every stored value and the shards' cut, are an uninterrupted run's.
     """
 
-    def __init__(self, out: Path, shard_tokens: int, state: dict[str, Any],
+    def __init__(self, out: Path, shard_tokens: int, state: dict[str, Any] | None = None,
                  save_state: Callable[[], None] | None = None) -> None:
-        self.out, self.shard_tokens, self.state, self.save_state = (
-            out, shard_tokens, state, save_state)
+        self.out, self.shard_tokens, self.save_state = out, shard_tokens, save_state
+        self.state = state if state is not None else _new_state()
         self.pending: list[tuple[torch.Tensor, ...]] = []
-        for chunk in state["chunks"]:
+        for chunk in self.state["chunks"]:
             self.pending += _unpack(load_file(str(out / chunk["file"])))
         self.saved = len(self.pending)  # pending rows already in a chunk
         self.pending_tokens = sum(row[0].shape[0] for row in self.pending)
-        self.next_row = sum(int(s["num_rows"]) for s in state["shards"]) + len(self.pending)
+        self.next_row = (sum(int(s["num_rows"]) for s in self.state["shards"])
+                         + len(self.pending))
 
     def _save(self, name: str, rows: list[tuple[torch.Tensor, ...]]) -> None:
         aside = self.out / f"{name}.partial"
