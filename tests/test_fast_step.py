@@ -188,7 +188,7 @@ def test_bench_methods_mode_times_every_method_s_own_step(tmp_path: Path):
     proc = run_module(["scripts/bench_train.py", "--methods", "--hidden", "64", "--vocab", "512",
                        "--seq", "64", "--anchors", "4", "--block", "8", "--iters", "1",
                        "--warmup", "1", "--transfer-dim", "16", "--message-size", "8",
-                       "--out", str(out)])
+                       "--out", str(out)], timeout=900)  # five methods; a loaded 2-core CPU
     check_ok(proc)
     report = json.loads(out.read_text())
     results = report["results"]
