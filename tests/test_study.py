@@ -785,3 +785,27 @@ def test_the_long_stages_warn_on_a_cpu_without_native_bf16(monkeypatch, capsys, 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     warn_without_native_bf16(build_parser().parse_args(argv))
     assert ("no native bf16" in capsys.readouterr().err) == warned
+
+
+def test_the_checkpoint_schedule_does_not_make_another_request(tmp_path: Path) -> None:
+    """A row resumed with `--checkpoint-every 100` is the row archived with 250 (a run resumes
+    exactly); the paths and the schedule are left out, a changed budget is refused by name."""
+    settings = tiny_settings(tmp_path, archive_dir=tmp_path / "archive")
+    variant = Variant("dspine", "ref")
+    train = ["recipe=tiny", "optim.max_steps=12"]
+    archived = {"train": [*train, "checkpoint.every=250", "checkpoint.keep_last=1"], "data": "d"}
+    folder = settings.archived_dir(variant)
+    folder.mkdir(parents=True)
+    rec = dataclasses.replace(record("dspine", blocks([1, 0, 2, 0, 1, 3]), None),
+                              request=archived)
+    (folder / study.RECORD_FILE).write_text(json.dumps(rec.to_json(), default=str))
+
+    assert study.result_arguments([*train, "checkpoint.every=100", "output_dir=/x"]) == train
+    same = {"train": train, "data": "d"}
+    assert study.archived_record(settings, variant, same).variant == "dspine"
+    with pytest.raises(StudyError, match="archived for another request.*max_steps=13"):
+        study.archived_record(settings, variant,
+                              {"train": ["recipe=tiny", "optim.max_steps=13"], "data": "d"})
+    real = study.study_request(settings, variant, "d")["train"]
+    assert not [a for a in real if a.startswith(("checkpoint.", "output_dir="))]
+    assert any(a.startswith("optim.max_steps=") for a in real)

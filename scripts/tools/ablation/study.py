@@ -76,6 +76,10 @@ PLAIN_DECODING: dict = {}
 # train.py arguments that name this machine's paths, not what is trained (left out of requests)
 PATH_ARGUMENTS = ("output_dir=", "model.target_path=", "data.train_path=",
                   "data.offline_features_dir=")
+# train.py arguments that say when to checkpoint, not what is trained: a run resumes exactly
+# (tests/test_train_run.py), so a row checkpointed every 100 steps is the row checkpointed every
+# 250 (left out of requests, and out of archived ones when they are compared)
+CHECKPOINT_ARGUMENTS = ("checkpoint.every=", "checkpoint.keep_last=", "checkpoint.resume_from=")
 
 
 # ------------------------------------------------------------------------- variant checks
@@ -192,9 +196,14 @@ def study_request(settings: StudySettings, variant: Variant, data: str) -> dict[
     (`report.data_summary` of the training data)."""
     engine = dict(settings.evaluation_request())
     engine["benches"] = [Path(b).name for b in engine["benches"]]
-    return {"train": [a for a in settings.train_arguments(variant)
-                      if not a.startswith(PATH_ARGUMENTS)],
+    return {"train": result_arguments(settings.train_arguments(variant)),
             "final_max_blocks": settings.final_max_blocks, "engine": engine, "data": data}
+
+
+def result_arguments(arguments: Sequence[str]) -> list[str]:
+    """The `train.py` arguments that decide a variant's result: all but this machine's paths
+    and the checkpoint schedule."""
+    return [a for a in arguments if not a.startswith(PATH_ARGUMENTS + CHECKPOINT_ARGUMENTS)]
 
 
 def archived_record(settings: StudySettings, variant: Variant,
@@ -208,7 +217,9 @@ def archived_record(settings: StudySettings, variant: Variant,
     if not path.is_file():
         return None
     record = StudyRecord.from_json(json.loads(path.read_text()))
-    archived = record.request or {}
+    archived = dict(record.request or {})
+    if "train" in archived:  # archived before the checkpoint schedule was left out
+        archived["train"] = result_arguments(archived["train"])
     if archived != request:
         changed = [f"{k}: {archived.get(k)!r} -> {request[k]!r}" for k in request
                    if archived.get(k) != request[k]]
