@@ -809,3 +809,18 @@ def test_the_checkpoint_schedule_does_not_make_another_request(tmp_path: Path) -
     real = study.study_request(settings, variant, "d")["train"]
     assert not [a for a in real if a.startswith(("checkpoint.", "output_dir="))]
     assert any(a.startswith("optim.max_steps=") for a in real)
+
+
+def test_a_run_folder_resumes_with_another_checkpoint_schedule(tmp_path: Path) -> None:
+    """A run folder claimed with `checkpoint.every=250` is the same run when resumed with 100
+    (the trainer allows it, `RESUME_MAY_CHANGE`); another budget is still refused by name."""
+    run_dir = tmp_path / "dspine"
+    train = ["recipe=tiny", "optim.max_steps=12", "checkpoint.resume_from=latest"]
+    runner.claim_run_dir(run_dir, [*train, "checkpoint.every=250", "checkpoint.keep_last=1"])
+    runner.check_run_dir(run_dir, [*train, "checkpoint.every=100", "checkpoint.keep_last=2"])
+    runner.check_run_dir(run_dir, train)
+    with pytest.raises(StudyError, match=r"other arguments .*optim\.max_steps: 12 -> 13\)"):
+        runner.check_run_dir(run_dir, ["recipe=tiny", "optim.max_steps=13",
+                                       "checkpoint.resume_from=latest", "checkpoint.every=100"])
+    recorded = json.loads((run_dir / runner.REQUEST_FILE).read_text())["train_arguments"]
+    assert "checkpoint.every=250" in recorded  # the claim is not rewritten by a resume

@@ -50,6 +50,10 @@ SESSIONS_FILE = "sessions.json"
 BLOCKS_FILE = "simulated_blocks.npz"  # per-block results of the simulated evaluation
 EVERY_BLOCK = 10**9  # eval.max_blocks that no held-out split reaches: every block
 RUN_CONFIG = Path("hydra") / "config.yaml"
+# train.py arguments that say when to checkpoint, not what is trained: the trainer lets them
+# change on resume (`checkpointing.RESUME_MAY_CHANGE`) and a run resumes exactly
+# (tests/test_train_run.py), so they are left out when a run folder's arguments are compared
+CHECKPOINT_ARGUMENTS = ("checkpoint.every=", "checkpoint.keep_last=", "checkpoint.resume_from=")
 
 
 class StudyError(RuntimeError):
@@ -231,8 +235,10 @@ def check_run_dir(run_dir: Path, arguments: Sequence[str]) -> None:
 
     A directory holding anything without the runner's `request.json` is another run (a demo
     run, a hand-made folder): it is never reused as a variant's result, replaced or deleted.
-    One whose `request.json` records other arguments is refused naming what differs.
-    `StudyError` in one line, before anything is written.
+    One whose `request.json` records other arguments is refused naming what differs; the
+    checkpoint schedule (`CHECKPOINT_ARGUMENTS`) may differ, so a run started checkpointing
+    every 250 steps resumes checkpointing every 100. `StudyError` in one line, before anything
+    is written.
     """
     if not written_here(run_dir):
         raise StudyError(
@@ -240,10 +246,16 @@ def check_run_dir(run_dir: Path, arguments: Sequence[str]) -> None:
             "train.py arguments), e.g. another training run; it is never reused or deleted: "
             "move it away or use another --out")
     recorded = _read_request(run_dir)
-    if recorded is not None and recorded != list(arguments):
+    if recorded is not None and _trained(recorded) != _trained(arguments):
         raise StudyError(
             f"{run_dir} was trained with other arguments ({REQUEST_FILE} differs: "
-            f"{_differences(recorded, arguments)}); delete it or use another --out")
+            f"{_differences(_trained(recorded), _trained(arguments))}); delete it or use "
+            "another --out")
+
+
+def _trained(arguments: Sequence[str]) -> list[str]:
+    """`arguments` without the checkpoint schedule."""
+    return [a for a in arguments if not a.startswith(CHECKPOINT_ARGUMENTS)]
 
 
 def claim_run_dir(run_dir: Path, arguments: Sequence[str]) -> None:

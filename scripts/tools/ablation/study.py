@@ -51,6 +51,7 @@ from scripts.tools import REPO
 from .records import Evaluation, StudyRecord
 from .runner import (
     BLOCKS_FILE,
+    CHECKPOINT_ARGUMENTS,
     RUN_CONFIG,
     StudyError,
     StudySettings,
@@ -76,10 +77,6 @@ PLAIN_DECODING: dict = {}
 # train.py arguments that name this machine's paths, not what is trained (left out of requests)
 PATH_ARGUMENTS = ("output_dir=", "model.target_path=", "data.train_path=",
                   "data.offline_features_dir=")
-# train.py arguments that say when to checkpoint, not what is trained: a run resumes exactly
-# (tests/test_train_run.py), so a row checkpointed every 100 steps is the row checkpointed every
-# 250 (left out of requests, and out of archived ones when they are compared)
-CHECKPOINT_ARGUMENTS = ("checkpoint.every=", "checkpoint.keep_last=", "checkpoint.resume_from=")
 
 
 # ------------------------------------------------------------------------- variant checks
