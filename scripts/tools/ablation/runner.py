@@ -246,15 +246,17 @@ def check_run_dir(run_dir: Path, arguments: Sequence[str]) -> None:
             "train.py arguments), e.g. another training run; it is never reused or deleted: "
             "move it away or use another --out")
     recorded = _read_request(run_dir)
-    if recorded is not None and _trained(recorded) != _trained(arguments):
+    if recorded is None:
+        return
+    old, new = trained_arguments(recorded), trained_arguments(arguments)
+    if old != new:
         raise StudyError(
             f"{run_dir} was trained with other arguments ({REQUEST_FILE} differs: "
-            f"{_differences(_trained(recorded), _trained(arguments))}); delete it or use "
-            "another --out")
+            f"{_differences(old, new)}); delete it or use another --out")
 
 
-def _trained(arguments: Sequence[str]) -> list[str]:
-    """`arguments` without the checkpoint schedule."""
+def trained_arguments(arguments: Sequence[str]) -> list[str]:
+    """`arguments` without the checkpoint schedule (`CHECKPOINT_ARGUMENTS`)."""
     return [a for a in arguments if not a.startswith(CHECKPOINT_ARGUMENTS)]
 
 

@@ -51,7 +51,6 @@ from scripts.tools import REPO
 from .records import Evaluation, StudyRecord
 from .runner import (
     BLOCKS_FILE,
-    CHECKPOINT_ARGUMENTS,
     RUN_CONFIG,
     StudyError,
     StudySettings,
@@ -62,6 +61,7 @@ from .runner import (
     harness_evaluator,
     sessions,
     train_variant,
+    trained_arguments,
     training_wall_s,
 )
 from .study_plan import check_plan_dir, measure_plan, plan_lines
@@ -200,7 +200,7 @@ def study_request(settings: StudySettings, variant: Variant, data: str) -> dict[
 def result_arguments(arguments: Sequence[str]) -> list[str]:
     """The `train.py` arguments that decide a variant's result: all but this machine's paths
     and the checkpoint schedule."""
-    return [a for a in arguments if not a.startswith(PATH_ARGUMENTS + CHECKPOINT_ARGUMENTS)]
+    return [a for a in trained_arguments(arguments) if not a.startswith(PATH_ARGUMENTS)]
 
 
 def archived_record(settings: StudySettings, variant: Variant,
