@@ -365,6 +365,33 @@ def test_cache_features_discards_a_partial_build_of_other_settings(tiny_assets, 
         assert rows == index["num_rows"]
 
 
+def test_cache_features_does_not_resume_a_partial_build_of_other_bf16_products(
+        tiny_assets, tmp_path, monkeypatch, capsys):
+    """How a bf16 target's products ran (`cpu_bf16_matmul`) decides the cached values, so a
+    partial build made with PyTorch's native kernels is not finished with float32 products."""
+    import dspine_train.training.cache_features as tool
+    import dspine_train.training.offline_features as offline
+
+    monkeypatch.setattr(tool, "SHARD_TOKENS", 1500)
+    features = tmp_path / "features"
+    bf16 = ("model.target_dtype=bfloat16",)
+    with monkeypatch.context() as patch:
+        patch.setattr(offline, "save_file", full_disk_on_save(offline.save_file, 2))
+        code, _ = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features, *bf16,
+                                                "cpu_bf16_matmul=native"), tmp_path, patch, capsys)
+    assert code == 1 and (tmp_path / ".features.partial" / "train" / "progress.json").is_file()
+    monkeypatch.setattr(sys, "argv", ["cli", f"--config-path={RECIPES}",
+                                      *cache_args(tiny_assets, tmp_path, features, *bf16,
+                                                  "cpu_bf16_matmul=float32"),
+                                      f"hydra.run.dir={tmp_path / 'hydra'}"])
+    with single_thread():
+        tool.main()
+    out = capsys.readouterr().out
+    assert f"discarding {tmp_path / '.features.partial'}" in out
+    assert "the target's bf16 matrix products run in float32" in out
+    assert leftovers(features) == ["features"]
+
+
 def test_cache_features_refuses_a_build_directory_it_did_not_write(tiny_assets, tmp_path,
                                                                     monkeypatch, capsys):
     from dspine_train.training.cache_features import main

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from data_prep.backends import local
+from dspine_train import cpu_bf16
 from tests._train_helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -30,12 +30,12 @@ ARM_PLAIN = "processor\t: 0\nFeatures\t: fp asimd evtstrm crc32\n"
 def test_native_bf16_reads_the_cpu_flags(tmp_path: Path, text: str, native: bool) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(text)
-    assert local.native_bf16(torch.device("cpu"), cpuinfo) is native
+    assert cpu_bf16.native_bf16(torch.device("cpu"), cpuinfo) is native
 
 
 def test_native_bf16_without_cpuinfo_is_false_and_cuda_is_true(tmp_path: Path) -> None:
-    assert local.native_bf16(torch.device("cpu"), tmp_path / "missing") is False
-    assert local.native_bf16(torch.device("cuda"), tmp_path / "missing") is True
+    assert cpu_bf16.native_bf16(torch.device("cpu"), tmp_path / "missing") is False
+    assert cpu_bf16.native_bf16(torch.device("cuda"), tmp_path / "missing") is True
 
 
 def _args(*argv: str):
@@ -52,7 +52,7 @@ def _demo(tmp_path: Path, *argv: str) -> demo.Demo:
 @pytest.mark.parametrize(("native", "expected"), [(True, "bfloat16"), (False, "float32")])
 def test_auto_resolves_by_the_machine(monkeypatch: pytest.MonkeyPatch, native: bool,
                                       expected: str) -> None:
-    monkeypatch.setattr(local, "native_bf16", lambda device: native)
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda device: native)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = _args()
     assert args.dtype == "auto"
@@ -159,7 +159,7 @@ def test_answers_evaluation_and_parity_share_one_dtype(tmp_path: Path, monkeypat
     import dspine_train.evaluation.parity as parity
     from dspine_train.benchmark_prompts import Benchmark
 
-    monkeypatch.setattr(local, "native_bf16", lambda device: native)
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda device: native)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     seen: dict[str, object] = {}
     monkeypatch.setattr(regenerate, "greedy_local_job",

@@ -367,6 +367,11 @@ def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     provenance = text[text.index("## Wall time and provenance"):]
     assert table_row(provenance, "dflash")[-2:] == ["Some CPU", "`01234567`"]
     assert table_row(provenance, "dspine")[-2:] == ["-", "-"]
+    # a row whose bf16 products ran in float32 (a CPU without native bf16) says so
+    session["machine"]["bf16_matmul"] = "float32"
+    text = write_study_report(records, meta, tmp_path / "docs" / "study_f")[0].read_text()
+    provenance = text[text.index("## Wall time and provenance"):]
+    assert table_row(provenance, "dflash")[-2] == "Some CPU (bf16 products in float32)"
 
 
 def test_conditional_acceptance_is_where_the_chain_breaks() -> None:
@@ -778,10 +783,10 @@ def test_an_empty_variant_list_is_refused(value: str, capsys: pytest.CaptureFixt
 ])
 def test_the_long_stages_warn_on_a_cpu_without_native_bf16(monkeypatch, capsys, native, argv,
                                                           warned) -> None:
-    import data_prep.backends.local as local
+    from dspine_train import cpu_bf16
     from scripts.tools.ablation.study_cli import build_parser, warn_without_native_bf16
 
-    monkeypatch.setattr(local, "native_bf16", lambda device: native)
+    monkeypatch.setattr(cpu_bf16, "native_bf16", lambda device: native)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     warn_without_native_bf16(build_parser().parse_args(argv))
     assert ("no native bf16" in capsys.readouterr().err) == warned

@@ -31,33 +31,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-# CPU feature flags (/proc/cpuinfo) of native bfloat16 arithmetic: x86 AVX512-BF16 and AMX,
-# Arm's BF16 extension. (oneDNN's own check also accepts plain AVX-512, where bf16 is emulated.)
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def native_bf16(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether ``device`` computes bfloat16 natively: CUDA, or a CPU with one of
-    `BF16_CPU_FLAGS` (there a bfloat16 target answers ~6x faster than a float32 one, measured
-    on AMX; elsewhere bfloat16 is emulated and not faster). False where the flags cannot be
-    read (a system without /proc/cpuinfo)."""
-    if device.type == "cuda":
-        return True
-    if device.type != "cpu":
-        return False
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return False
-    flags = {flag for line in text.splitlines()
-             if line.split(":")[0].strip() in ("flags", "Features")
-             for flag in line.partition(":")[2].split()}
-    return bool(flags & BF16_CPU_FLAGS)
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` -> bfloat16 on cuda, float32 elsewhere (the float32 answers of a CPU run do
-    not depend on the CPU; `native_bf16` tells where bfloat16 would be faster)."""
+    not depend on the CPU; `dspine_train.cpu_bf16.native_bf16` tells where bfloat16 would be faster)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)

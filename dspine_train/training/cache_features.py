@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 
 from dspine_train.checkpoint_io import clean_dead_builds, replace_dir, write_json_atomic
 from dspine_train.cli_errors import existing_output, os_error_line, write_os_error
+from dspine_train.cpu_bf16 import Bf16Matmul, bf16_matmuls, resolve_bf16_matmul
 from dspine_train.output_lock import OutputLockedError, lock_output
 from dspine_train.owned_dir import (
     OwnedDirError,
@@ -155,7 +156,13 @@ def _cache_features_locked(config: TrainConfig, root: Path) -> list[Path]:
     build = partial_dir(root)
     identities = {split: cache_identity(m.target_path, layer_ids, d.max_length, batches)
                   for split, batches in datasets}
-    plan = {split: resume_key(identity, max(1, d.batch_size), SHARD_TOKENS, topk)
+    # how the target's bf16 products ran decides the cached values too (`cpu_bf16.py`)
+    matmul = resolve_bf16_matmul(config.cpu_bf16_matmul, device)
+    if dtype == torch.bfloat16 and matmul == Bf16Matmul.float32:
+        print("the target's bf16 matrix products run in float32, rounded once (this CPU has no "
+              "native bf16; cpu_bf16_matmul=native keeps PyTorch's slower kernels)")
+    plan = {split: {**resume_key(identity, max(1, d.batch_size), SHARD_TOKENS, topk),
+                    "bf16_matmul": matmul.value}
             for split, identity in identities.items()}
     if build.exists() and not (build / MARKER).is_file() and any(build.iterdir()):
         raise OwnedDirError(f"data.offline_features_dir: {build}, where this cache is built, "
@@ -172,9 +179,10 @@ def _cache_features_locked(config: TrainConfig, root: Path) -> list[Path]:
         if (build / split / INDEX_FILE).is_file():
             print(f"split {split!r}: already cached in {build / split}")
             continue
-        kept = write_split_resumable(build / split, batches, extract, identities[split], device,
-                                     batch_size=max(1, d.batch_size), shard_tokens=SHARD_TOKENS,
-                                     topk=topk)
+        with bf16_matmuls(matmul, device):
+            kept = write_split_resumable(build / split, batches, extract, identities[split],
+                                         device, batch_size=max(1, d.batch_size),
+                                         shard_tokens=SHARD_TOKENS, topk=topk)
         if kept:
             print(f"split {split!r}: resumed after {kept} of {len(batches)} rows")
     (build / PLAN_FILE).unlink()

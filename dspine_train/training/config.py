@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from ..cpu_bf16 import Bf16Matmul
 from ..modeling.configuration_dspine import METHOD_PRESETS, DSpineConfig
 from ..py_compat import StrEnum
 from ..recipe_files import RECIPES_DIR  # `train.py`'s Hydra config path
@@ -376,6 +377,12 @@ class TrainConfig:
         output_dir: checkpoints, metrics, plots and the exports (`final/`, `best/`).
         seed: seeds the draft init, data order, anchor sampling and replacement draws.
         precision: draft parameters and activations ("bf16" or "fp32").
+        cpu_bf16_matmul: how bf16 matrix products run on a CPU (training, its evaluations and
+            `cache_features`' target): "float32" computes them from the bf16 operands in
+            float32 and rounds the result once (a bf16 GEMM's own semantics, ~3.5x faster
+            where the CPU has no native bf16), "native" keeps PyTorch's kernels, "auto" (the
+            default) is "float32" on a CPU without avx512_bf16/amx_bf16 and "native"
+            elsewhere (dspine_train/cpu_bf16.py). No effect on CUDA.
         plan_only: print the per-GPU memory plan of the recipe and exit (loads no weights).
         gpu_memory_gib: GPU size the memory plan checks against.
         plan_device: the device `plan_only` sizes the run for: "cuda" counts compiled flex
@@ -388,6 +395,7 @@ class TrainConfig:
     output_dir: str = "outputs/${name}"
     seed: int = 0
     precision: Precision = Precision.bf16
+    cpu_bf16_matmul: Bf16Matmul = Bf16Matmul.auto
     plan_only: bool = False
     gpu_memory_gib: float = 80.0
     plan_device: PlanDevice = PlanDevice.cuda

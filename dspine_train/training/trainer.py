@@ -27,6 +27,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..cpu_bf16 import Bf16Matmul, bf16_matmuls
 from ..evaluation.block_metrics import AcceptanceStats, BlockResults, stats_from_counts
 from ..evaluation.held_out import (
     BlockPlan,
@@ -596,5 +597,11 @@ def _flat_config(config: TrainConfig) -> dict:
 
 
 def run_training(config: TrainConfig) -> TrainResult:
-    """Build a `Trainer` for `config` and train."""
-    return Trainer(config).train()
+    """Build a `Trainer` for `config` and train, bf16 products on a CPU as
+    `config.cpu_bf16_matmul` says (`cpu_bf16.py`)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with bf16_matmuls(config.cpu_bf16_matmul, device) as matmul:
+        if matmul == Bf16Matmul.float32:
+            print("bf16 matrix products run in float32, rounded once (this CPU has no native "
+                  "bf16; cpu_bf16_matmul=native keeps PyTorch's slower kernels)")
+        return Trainer(config).train()

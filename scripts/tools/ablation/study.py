@@ -266,6 +266,8 @@ def machine() -> dict[str, Any]:
     """The machine the study ran on, as the report records it."""
     import torch
 
+    from dspine_train.cpu_bf16 import resolve_bf16_matmul
+
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -277,7 +279,10 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "omp_num_threads":
             os.environ.get("OMP_NUM_THREADS"), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "platform": platform.platform()}
+            "platform": platform.platform(),
+            # how this machine's bf16 products ran (`cpu_bf16_matmul=auto`, the study's setting)
+            "bf16_matmul": resolve_bf16_matmul("auto", torch.device(
+                "cuda" if torch.cuda.is_available() else "cpu")).value}
 
 
 def data_meta(settings: StudySettings) -> dict[str, Any] | None:

@@ -257,7 +257,7 @@ def warn_without_native_bf16(args: argparse.Namespace) -> None:
     the features and (by default) the rows: there each costs about 3x (docs/STUDY.md)."""
     import torch
 
-    from data_prep.backends.local import native_bf16
+    from dspine_train.cpu_bf16 import native_bf16
 
     heavy = (args.command == "data" and "features" in args.stages) or (
         args.command == "run" and not args.smoke and args.precision == "bf16")

@@ -138,8 +138,16 @@ def _provenance_cells(name: str, r: StudyRecord | None, plan: dict[str, Any]) ->
     return [name, (r.precision if r else None) or "-", _f(rate, 2),
             _hours(r.train_wall_s if r else None), r.sessions if r else "-",
             _hours(r.engine_wall_s if r else None), f"`{commit}`",
-            session.get("date") or "not yet", (session.get("machine") or {}).get("cpu") or "-",
+            session.get("date") or "not yet", _cpu(session.get("machine") or {}),
             f"`{digest}`" if digest else "-"]
+
+
+def _cpu(machine: dict[str, Any]) -> str:
+    """The CPU a row ran on, and how its bf16 products ran where not natively."""
+    cpu = machine.get("cpu") or "-"
+    if machine.get("bf16_matmul") == "float32":
+        cpu += " (bf16 products in float32)"
+    return cpu
 
 
 def markdown(records: list[StudyRecord], meta: dict[str, Any],

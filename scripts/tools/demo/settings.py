@@ -59,7 +59,7 @@ def resolve_dtype(args: argparse.Namespace) -> None:
         args.answer_dtype = args.serve_dtype
     if args.dtype != "auto":
         return
-    from data_prep.backends.local import native_bf16
+    from dspine_train.cpu_bf16 import native_bf16
 
     device = torch.device("cuda" if cuda else "cpu")
     args.dtype = "bfloat16" if native_bf16(device) else "float32"
