@@ -133,3 +133,23 @@ def test_training_runs_under_the_configured_products(monkeypatch, capsys) -> Non
     trainer.run_training(compose_train_config("recipe=tiny", "cpu_bf16_matmul=native"))
     assert seen == [["_Float32Products"], []]
     assert "bf16 matrix products" not in capsys.readouterr().out
+
+
+def test_the_benchmark_times_both_settings_side_by_side(tmp_path) -> None:
+    import json
+
+    from scripts.bench_cpu_bf16 import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--hidden", "32", "--intermediate", "64", "--layers", "1", "--heads", "2",
+                 "--tokens", "16", "--iters", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {(r["part"], r["setting"]): r for r in report["results"]}
+    assert set(rows) == {(p, s) for p in ("forward", "forward+backward")
+                         for s in ("native", "float32")}
+    for (part, _), r in rows.items():
+        assert len(r["runs_s"]) == 2 and r["median_s"] > 0
+        native = rows[(part, "native")]["median_s"]
+        assert r["speedup_vs_native"] == pytest.approx(native / r["median_s"])
+    assert report["auto"] in ("native", "float32")
+    assert all(0 < e < 0.05 for e in report["relative_error_vs_float32"].values())

@@ -559,6 +559,10 @@ def test_step_times_side_by_side_on_the_same_batches(tiny_assets: dict, tmp_path
         assert len(row["steps_s"]) == 4 and row["step_s"] > 0
         assert row["ratio"] == pytest.approx(row["step_s"] / rows["dspine"]["step_s"])
     assert len(result["rows"]) == 2
+    import torch
+
+    from dspine_train.cpu_bf16 import resolve_bf16_matmul  # as train.py runs here
+    assert result["bf16_matmul"] == resolve_bf16_matmul("auto", torch.device("cpu")).value
     result.update(command="python scripts/study.py steps", commit="abc")
     path = tmp_path / "step_times.json"
     path.write_text(json.dumps(result))

@@ -87,6 +87,7 @@ def time_steps(settings: StudySettings, variants: Sequence[Variant], work_dir: P
     is the mean over the batches of its fastest step on that batch (the least disturbed);
     `ratio` is that time over the reference's (> 1: slower than the reference). Without
     `cached_features` the timed batches' features come from the target, run here untimed."""
+    from dspine_train.cpu_bf16 import bf16_matmuls
     from dspine_train.training.target import read_embedding_and_head
 
     if not 1 <= batches <= iters:
@@ -108,15 +109,18 @@ def time_steps(settings: StudySettings, variants: Sequence[Variant], work_dir: P
     if any(r != next(iter(rows.values())) for r in rows.values()):
         raise StudyError(f"the variants' first batches differ ({rows}); the step times would "
                          "not be comparable")
-    for name, step in steps.items():  # warm-up: one step of each
-        step(items[name][0])
     times: dict[str, list[list[float]]] = {name: [[] for _ in range(batches)] for name in steps}
-    for i in range(iters):
-        progress(f"round {i + 1}/{iters}")
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step(items[name][i % batches])
-            times[name][i % batches].append(time.perf_counter() - start)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # bf16 products as `train.py` runs them here (`TrainConfig.cpu_bf16_matmul`)
+    with bf16_matmuls(first.cpu_bf16_matmul, device) as matmul:
+        for name, step in steps.items():  # warm-up: one step of each
+            step(items[name][0])
+        for i in range(iters):
+            progress(f"round {i + 1}/{iters}")
+            for name, step in steps.items():
+                start = time.perf_counter()
+                step(items[name][i % batches])
+                times[name][i % batches].append(time.perf_counter() - start)
     best = {name: statistics.mean(min(ts) for ts in per_batch)
             for name, per_batch in times.items()}
     reference = REFERENCE if REFERENCE in best else next(iter(best))
@@ -125,7 +129,7 @@ def time_steps(settings: StudySettings, variants: Sequence[Variant], work_dir: P
         "rows": next(iter(rows.values())),
         "features": "feature cache" if cached_features else "target run in process",
         "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
-        "processor": platform.processor(),
+        "processor": platform.processor(), "bf16_matmul": matmul.value,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "variants": {name: {"method": steps[name].draft.config.method,
                             "precision": str(steps[name].draft.dtype).removeprefix("torch."),
