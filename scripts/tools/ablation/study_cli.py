@@ -253,8 +253,8 @@ def steps_command(args: argparse.Namespace) -> int:
 
 
 def warn_without_native_bf16(args: argparse.Namespace) -> None:
-    """Say so before the long stages when this CPU emulates bf16, the study's precision for
-    the features and (by default) the rows: there each costs about 3x (docs/STUDY.md)."""
+    """Say so before the long stages when this CPU has no native bf16, the study's precision
+    for the features and (by default) the rows: there each costs more (docs/STUDY.md)."""
     import torch
 
     from dspine_train.cpu_bf16 import native_bf16
@@ -264,8 +264,9 @@ def warn_without_native_bf16(args: argparse.Namespace) -> None:
     if heavy and not torch.cuda.is_available() and not native_bf16(torch.device("cpu")):
         print("[study] warning: this CPU has no native bf16 (no avx512_bf16 / amx_bf16 in "
               "/proc/cpuinfo); the study computes its features and trains its rows in bf16, "
-              "about 3x slower here than where bf16 is native: the features take ~90 min, a "
-              "row may not fit one session (docs/STUDY.md)", file=sys.stderr, flush=True)
+              "their matrix products in float32 here (cpu_bf16_matmul=auto), slower than "
+              "where bf16 is native: the features take ~70 min, a row may not fit one session "
+              "(docs/STUDY.md)", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
