@@ -16,6 +16,8 @@ features as it does elsewhere.
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,19 +88,61 @@ def _cpu_bf16(value: Any) -> bool:
             and value.device.type == "cpu")
 
 
-def _to_float32(value: Any) -> Any:
-    return value.float() if _cpu_bf16(value) else value
+# The float32 copies of operands autograd does not track (a frozen head, a target's weights)
+# are kept for reuse while their tensor lives unchanged, up to this many bytes (least recently
+# used first out): a draft's objective multiplies the same 151936-row head chunk after chunk,
+# and copying it each time took a quarter of a DSpark step. Smaller operands are copied anew.
+REUSED_COPIES_BYTES = 4 << 30
+REUSED_COPY_MIN_BYTES = 1 << 20
+
+
+class _Float32Copies:
+    """float32 copies of bf16 tensors, reused while the tensor lives with the same version."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.bytes = budget, 0
+        self.entries: OrderedDict[int, tuple[weakref.ref, int, torch.Tensor]] = OrderedDict()
+
+    def __call__(self, value: Any) -> Any:
+        if not _cpu_bf16(value):
+            return value
+        tracked = value.requires_grad and torch.is_grad_enabled()
+        if tracked or value.numel() * 4 < REUSED_COPY_MIN_BYTES:
+            return value.float()
+        key = id(value)
+        entry = self.entries.get(key)
+        if entry is not None and entry[0]() is value and entry[1] == value._version:
+            self.entries.move_to_end(key)
+            return entry[2]
+        self._drop(key)
+        copy = value.float()
+        if copy.nbytes <= self.budget:
+            self.entries[key] = (weakref.ref(value, lambda _, key=key: self._drop(key)),
+                                 value._version, copy)
+            self.bytes += copy.nbytes
+            while self.bytes > self.budget:
+                self._drop(next(iter(self.entries)))
+        return copy
+
+    def _drop(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[2].nbytes
 
 
 class _Float32Products(TorchFunctionMode):
     """Runs each product whose tensor operands are all CPU bf16 in float32, rounded once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = _Float32Copies(REUSED_COPIES_BYTES)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         if func in _PRODUCTS and "out" not in kwargs:
             tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
             if tensors and all(_cpu_bf16(t) for t in tensors):
-                args, kwargs = tree_map(_to_float32, (args, kwargs))
+                args, kwargs = tree_map(self.copies, (args, kwargs))
                 return func(*args, **kwargs).to(torch.bfloat16)
         return func(*args, **kwargs)
 

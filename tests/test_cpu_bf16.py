@@ -153,3 +153,24 @@ def test_the_benchmark_times_both_settings_side_by_side(tmp_path) -> None:
         assert r["speedup_vs_native"] == pytest.approx(native / r["median_s"])
     assert report["auto"] in ("native", "float32")
     assert all(0 < e < 0.05 for e in report["relative_error_vs_float32"].values())
+
+
+def test_float32_copies_of_frozen_operands_are_reused_until_they_change() -> None:
+    """A frozen operand (a head multiplied chunk after chunk) is copied to float32 once while it
+    lives unchanged; an in-place change, or a tensor autograd tracks, gets a fresh copy."""
+    head = _bf16(4096, 64, seed=0)  # 1 MiB in float32: large enough to keep
+    x = _bf16(3, 64, seed=1)
+    with bf16_matmuls("float32", CPU):
+        mode = torch.overrides._get_current_function_mode_stack()[-1]
+        first = F.linear(x, head)
+        kept = [entry[2] for entry in mode.copies.entries.values()]
+        assert len(kept) == 1 and torch.equal(kept[0], head.float())
+        assert torch.equal(F.linear(x, head), first)
+        assert [entry[2] for entry in mode.copies.entries.values()][0] is kept[0]  # reused
+        head.mul_(2)  # a new version: not the old copy
+        assert torch.equal(F.linear(x, head), F.linear(x.float(), head.float()).bfloat16())
+        del head, kept  # a dead tensor's copy is dropped
+        assert not mode.copies.entries and mode.copies.bytes == 0
+        weight = _bf16(4096, 64, seed=2).requires_grad_()
+        F.linear(x, weight).float().sum().backward()
+        assert not mode.copies.entries and weight.grad is not None
