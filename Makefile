@@ -57,6 +57,7 @@ demo: install-demo
 bench: install
 	$(PY) scripts/bench_token_table.py
 	$(PY) scripts/bench_train.py
+	$(PY) scripts/bench_cpu_bf16.py
 
 # One GPU, no network, one short run: environment and attention backends, `pytest -m gpu`,
 # fp32 exactness, Qwen3-8B-shaped bf16 checks, step timings, memory against the plan.
