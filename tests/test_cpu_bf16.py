@@ -3,6 +3,8 @@ float32 from the bf16 operands and rounded once, gradients included; everything 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,7 +118,7 @@ def test_training_runs_under_the_configured_products(monkeypatch, capsys) -> Non
 
     class Recorder:
         def __init__(self, config) -> None:  # noqa: ANN001
-            pass
+            self.accelerator = SimpleNamespace(device=device)
 
         def train(self) -> str:
             seen.append([type(m).__name__ for m in _get_current_function_mode_stack()])
@@ -125,13 +127,16 @@ def test_training_runs_under_the_configured_products(monkeypatch, capsys) -> Non
 
     monkeypatch.setattr(trainer, "Trainer", Recorder)
     monkeypatch.setattr(cpu_bf16, "native_bf16", lambda device: False)
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    device = CPU
     x, w = _bf16(3, 8, seed=0), _bf16(4, 8, seed=1)
-    out = trainer.run_training(compose_train_config("recipe=tiny"))
+    out = trainer.run_training(compose_train_config("recipe=tiny", "precision=bf16"))
     assert torch.equal(out, F.linear(x.float(), w.float()).bfloat16())
     assert "bf16 matrix products run in float32" in capsys.readouterr().out
-    trainer.run_training(compose_train_config("recipe=tiny", "cpu_bf16_matmul=native"))
-    assert seen == [["_Float32Products"], []]
+    trainer.run_training(compose_train_config("recipe=tiny", "precision=bf16", "cpu_bf16_matmul=native"))
+    trainer.run_training(compose_train_config("recipe=tiny", "precision=fp32"))  # no bf16
+    device = torch.device("meta")  # the accelerator's device decides: not a CPU, no mode
+    trainer.run_training(compose_train_config("recipe=tiny", "precision=bf16"))
+    assert seen == [["_Float32Products"], [], [], []]
     assert "bf16 matrix products" not in capsys.readouterr().out
 
 

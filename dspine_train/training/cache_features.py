@@ -157,8 +157,9 @@ def _cache_features_locked(config: TrainConfig, root: Path) -> list[Path]:
     identities = {split: cache_identity(m.target_path, layer_ids, d.max_length, batches)
                   for split, batches in datasets}
     # how the target's bf16 products ran decides the cached values too (`cpu_bf16.py`)
-    matmul = resolve_bf16_matmul(config.cpu_bf16_matmul, device)
-    if dtype == torch.bfloat16 and matmul == Bf16Matmul.float32:
+    matmul = (resolve_bf16_matmul(config.cpu_bf16_matmul, device) if dtype == torch.bfloat16
+              else Bf16Matmul.native)  # a float32 or float16 target runs no bf16 product
+    if matmul == Bf16Matmul.float32:
         print("the target's bf16 matrix products run in float32, rounded once (this CPU has no "
               "native bf16; cpu_bf16_matmul=native keeps PyTorch's slower kernels)")
     plan = {split: {**resume_key(identity, max(1, d.batch_size), SHARD_TOKENS, topk),

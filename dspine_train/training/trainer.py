@@ -598,10 +598,12 @@ def _flat_config(config: TrainConfig) -> dict:
 
 def run_training(config: TrainConfig) -> TrainResult:
     """Build a `Trainer` for `config` and train, bf16 products on a CPU as
-    `config.cpu_bf16_matmul` says (`cpu_bf16.py`)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with bf16_matmuls(config.cpu_bf16_matmul, device) as matmul:
+    `config.cpu_bf16_matmul` says (`cpu_bf16.py`; nothing changes on another device)."""
+    trainer = Trainer(config)
+    bf16 = config.precision.value == "bf16" or config.model.target_dtype == "bfloat16"
+    setting = config.cpu_bf16_matmul if bf16 else Bf16Matmul.native  # no bf16 product to run
+    with bf16_matmuls(setting, trainer.accelerator.device) as matmul:
         if matmul == Bf16Matmul.float32:
             print("bf16 matrix products run in float32, rounded once (this CPU has no native "
                   "bf16; cpu_bf16_matmul=native keeps PyTorch's slower kernels)")
-        return Trainer(config).train()
+        return trainer.train()
