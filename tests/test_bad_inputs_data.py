@@ -330,12 +330,10 @@ def test_cache_features_full_disk_names_enospc_and_keeps_a_resumable_build(
     assert _files(features) == _files(whole)
 
 
-def test_cache_features_discards_a_partial_build_of_other_settings(tiny_assets, tmp_path,
-                                                                   monkeypatch, capsys):
-    """A partial build made with other settings (here max_length 64, rerun with 32) is not
-    resumed: the run says so and builds the cache of its own settings whole."""
-    from safetensors.torch import load_file
-
+def _partial_build_then_rerun(tiny_assets, tmp_path, monkeypatch, capsys,
+                              first: tuple[str, ...], second: tuple[str, ...]) -> str:
+    """A cache build with `first` stopped by a full disk (its partial build kept), then a whole
+    run with `second`; that run's output."""
     import dspine_train.training.cache_features as tool
     import dspine_train.training.offline_features as offline
 
@@ -343,16 +341,27 @@ def test_cache_features_discards_a_partial_build_of_other_settings(tiny_assets, 
     features = tmp_path / "features"
     with monkeypatch.context() as patch:
         patch.setattr(offline, "save_file", full_disk_on_save(offline.save_file, 2))
-        code, _ = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features), tmp_path,
-                          patch, capsys)
+        code, _ = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features, *first),
+                          tmp_path, patch, capsys)
     assert code == 1 and (tmp_path / ".features.partial" / "train" / "progress.json").is_file()
     monkeypatch.setattr(sys, "argv", ["cli", f"--config-path={RECIPES}",
-                                      *cache_args(tiny_assets, tmp_path, features,
-                                                  "data.max_length=32"),
+                                      *cache_args(tiny_assets, tmp_path, features, *second),
                                       f"hydra.run.dir={tmp_path / 'hydra'}"])
     with single_thread():
         tool.main()
-    assert f"discarding {tmp_path / '.features.partial'}" in capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_cache_features_discards_a_partial_build_of_other_settings(tiny_assets, tmp_path,
+                                                                   monkeypatch, capsys):
+    """A partial build made with other settings (here max_length 64, rerun with 32) is not
+    resumed: the run says so and builds the cache of its own settings whole."""
+    from safetensors.torch import load_file
+
+    features = tmp_path / "features"
+    out = _partial_build_then_rerun(tiny_assets, tmp_path, monkeypatch, capsys, (),
+                                    ("data.max_length=32",))
+    assert f"discarding {tmp_path / '.features.partial'}" in out
     assert leftovers(features) == ["features"]
     for split in ("train", "eval"):
         index = json.loads((features / split / "index.json").read_text())
@@ -369,24 +378,11 @@ def test_cache_features_does_not_resume_a_partial_build_of_other_bf16_products(
         tiny_assets, tmp_path, monkeypatch, capsys):
     """How a bf16 target's products ran (`cpu_bf16_matmul`) decides the cached values, so a
     partial build made with PyTorch's native kernels is not finished with float32 products."""
-    import dspine_train.training.cache_features as tool
-    import dspine_train.training.offline_features as offline
-
-    monkeypatch.setattr(tool, "SHARD_TOKENS", 1500)
     features = tmp_path / "features"
-    bf16 = ("model.target_dtype=bfloat16",)
-    with monkeypatch.context() as patch:
-        patch.setattr(offline, "save_file", full_disk_on_save(offline.save_file, 2))
-        code, _ = run_cli(tool.main, cache_args(tiny_assets, tmp_path, features, *bf16,
-                                                "cpu_bf16_matmul=native"), tmp_path, patch, capsys)
-    assert code == 1 and (tmp_path / ".features.partial" / "train" / "progress.json").is_file()
-    monkeypatch.setattr(sys, "argv", ["cli", f"--config-path={RECIPES}",
-                                      *cache_args(tiny_assets, tmp_path, features, *bf16,
-                                                  "cpu_bf16_matmul=float32"),
-                                      f"hydra.run.dir={tmp_path / 'hydra'}"])
-    with single_thread():
-        tool.main()
-    out = capsys.readouterr().out
+    bf16 = "model.target_dtype=bfloat16"
+    out = _partial_build_then_rerun(tiny_assets, tmp_path, monkeypatch, capsys,
+                                    (bf16, "cpu_bf16_matmul=native"),
+                                    (bf16, "cpu_bf16_matmul=float32"))
     assert f"discarding {tmp_path / '.features.partial'}" in out
     assert "the target's bf16 matrix products run in float32" in out
     assert leftovers(features) == ["features"]
