@@ -4,7 +4,7 @@ A bfloat16 matrix product (a GEMM: `linear`, `matmul`, `bmm`, ...) multiplies bf
 accumulates in float32 and rounds the result to bf16 once. CPUs with AVX512-BF16 or AMX do that
 in hardware. Elsewhere (an AVX2 CPU such as AMD Zen 3) PyTorch falls back to a generic kernel
 that is ~6x slower than a float32 product of the same size (0.68 s against 0.11 s for a
-512x896 by 896x4864 product on one 2026-12-07 AMD EPYC core). `float32_bf16_matmuls` computes
+512x896 by 896x4864 product on one 2026-12-07 AMD EPYC core). `bf16_matmuls` computes
 those products from the same bf16 operands in float32 and rounds the result once: the same
 semantics at float32 speed. Results differ from the fallback only where float32 sums in another
 order round to another bf16 value (one unit in the last place, ~0.01% of elements above), the
@@ -63,6 +63,11 @@ class Bf16Matmul(StrEnum):
     auto = "auto"
     float32 = "float32"
     native = "native"
+
+
+# What a run prints when its bf16 products run in float32 (`bf16_matmuls`).
+FLOAT32_NOTICE = ("bf16 matrix products run in float32, rounded once (this CPU has no native "
+                  "bf16; cpu_bf16_matmul=native keeps PyTorch's slower kernels)")
 
 
 def resolve_bf16_matmul(setting: Bf16Matmul | str, device: torch.device) -> Bf16Matmul:

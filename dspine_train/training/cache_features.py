@@ -38,7 +38,12 @@ from omegaconf import DictConfig
 
 from dspine_train.checkpoint_io import clean_dead_builds, replace_dir, write_json_atomic
 from dspine_train.cli_errors import existing_output, os_error_line, write_os_error
-from dspine_train.cpu_bf16 import Bf16Matmul, bf16_matmuls, resolve_bf16_matmul
+from dspine_train.cpu_bf16 import (
+    FLOAT32_NOTICE,
+    Bf16Matmul,
+    bf16_matmuls,
+    resolve_bf16_matmul,
+)
 from dspine_train.output_lock import OutputLockedError, lock_output
 from dspine_train.owned_dir import (
     OwnedDirError,
@@ -160,8 +165,7 @@ def _cache_features_locked(config: TrainConfig, root: Path) -> list[Path]:
     matmul = (resolve_bf16_matmul(config.cpu_bf16_matmul, device) if dtype == torch.bfloat16
               else Bf16Matmul.native)  # a float32 or float16 target runs no bf16 product
     if matmul == Bf16Matmul.float32:
-        print("the target's bf16 matrix products run in float32, rounded once (this CPU has no "
-              "native bf16; cpu_bf16_matmul=native keeps PyTorch's slower kernels)")
+        print(f"the target's {FLOAT32_NOTICE}")
     plan = {split: {**resume_key(identity, max(1, d.batch_size), SHARD_TOKENS, topk),
                     "bf16_matmul": matmul.value}
             for split, identity in identities.items()}

@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from ..cpu_bf16 import Bf16Matmul, bf16_matmuls
+from ..cpu_bf16 import FLOAT32_NOTICE, Bf16Matmul, bf16_matmuls
 from ..evaluation.block_metrics import AcceptanceStats, BlockResults, stats_from_counts
 from ..evaluation.held_out import (
     BlockPlan,
@@ -604,6 +604,5 @@ def run_training(config: TrainConfig) -> TrainResult:
     setting = config.cpu_bf16_matmul if bf16 else Bf16Matmul.native  # no bf16 product to run
     with bf16_matmuls(setting, trainer.accelerator.device) as matmul:
         if matmul == Bf16Matmul.float32:
-            print("bf16 matrix products run in float32, rounded once (this CPU has no native "
-                  "bf16; cpu_bf16_matmul=native keeps PyTorch's slower kernels)")
+            print(FLOAT32_NOTICE)
         return trainer.train()
