@@ -71,6 +71,18 @@ def test_block_results_summary() -> None:
     assert metrics["eval/blocks"] == 5 and "eval/tau_se_row" in metrics
 
 
+def test_accepted_beyond_the_drafts_of_a_block_is_refused() -> None:
+    """A DSpark block drafts block_size tokens: its records must say so (num_drafts), or the
+    per-position rates would silently drop the last slot."""
+    rows, anchors, accepted = np.zeros(3), np.arange(3), np.array([0, 8, 2])
+    with pytest.raises(ValueError, match=r"0\.\.7"):
+        BlockResults(rows, anchors, accepted, block_size=8)
+    results = BlockResults(rows, anchors, accepted, block_size=8, num_drafts=8)
+    assert results.position_rates()[-1] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="accepted must lie"):
+        BlockResults(rows, anchors, np.array([0, -1, 2]), block_size=8)
+
+
 def test_paired_difference_of_hand_built_records(tmp_path) -> None:
     rows, anchors = [0, 0, 1, 2, 2, 2], [3, 4, 1, 0, 2, 5]
     a = BlockResults(rows, anchors, [3, 2, 0, 1, 4, 0], block_size=8)

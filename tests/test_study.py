@@ -311,6 +311,27 @@ def table_row(text: str, variant: str) -> list[str]:
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
+def test_a_dspark_row_has_one_more_position_and_the_others_are_padded(tmp_path: Path) -> None:
+    """A DSpark block of 4 drafts 4 tokens (the others 3): the per-position tables get a k=4
+    column, the other rows show "-" there, and every row keeps the header's width."""
+    ref = blocks([3, 2, 1, 2, 0, 1])
+    dspark = BlockResults(rows=[0, 0, 1, 1, 2, 2], anchors=[1, 2, 1, 2, 1, 2],
+                          accepted=[4, 1, 0, 2, 4, 0], block_size=4, num_drafts=4)
+    records = [record("dspine", ref, None), record("dspark", dspark, ref)]
+    meta = {"command": "python scripts/study.py run", "commit": "abc123", "dirty": False,
+            "machine": {"cpu": "test"}, "date": "2026-12-07"}
+    text = write_study_report(records, meta, tmp_path / "study_p")[0].read_text()
+    section = text.split("## Acceptance per position")[1].split("## Learning curves")[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows[0].split("|")[-2].strip() == "k=4"
+    assert {line.count("|") for line in rows} == {rows[0].count("|")}
+    dspine_rows = [line for line in rows if line.startswith("| dspine |")]
+    dspark_rows = [line for line in rows if line.startswith("| dspark |")]
+    assert len(dspine_rows) == len(dspark_rows) == 2  # shares, then conditional shares
+    assert all(line.split("|")[-2].strip() == "-" for line in dspine_rows)
+    assert float(dspark_rows[0].split("|")[-2]) == pytest.approx(2 / 6, abs=5e-4)
+
+
 def test_report_writer_tables_pairs_and_curves(tmp_path: Path) -> None:
     ref, dflash = blocks([3, 2, 1, 2, 0, 1]), blocks([1, 1, 0, 2, 0, 0])
     records = [record("dspine", ref, None), record("dflash", dflash, ref)]

@@ -162,6 +162,11 @@ class BlockResults:
         self.accepted = np.asarray(self.accepted, dtype=np.int64)
         if not self.rows.shape == self.anchors.shape == self.accepted.shape:
             raise ValueError("rows, anchors and accepted must have one entry per block")
+        if self.accepted.size and not 0 <= self.accepted.min() <= self.accepted.max() \
+                <= self.num_drafts:
+            raise ValueError(f"accepted must lie in 0..{self.num_drafts} (the drafts of a "
+                             f"block); got {self.accepted.min()}..{self.accepted.max()}: "
+                             "a DSpark block drafts block_size tokens (pass num_drafts)")
 
     @property
     def blocks(self) -> int:

@@ -87,7 +87,7 @@ def simulated_acceptance(draft_dir: Path, config: TrainConfig, *, max_blocks: in
                                   else max_blocks or None, config.seed)
         accepted = simulated_block_accepts(step, batches, blocks, features)
         return BlockResults(blocks.rows, blocks.anchors, accepted.round().long().numpy(),
-                            draft.config.block_size)
+                            draft.config.block_size, draft.config.num_predictions)
     plan = evaluation_plan(batches.lengths, config.eval.batch_size, config.eval.num_anchors,
                            config.eval.max_blocks, config.seed)
     total = simulated_acceptance_counts(

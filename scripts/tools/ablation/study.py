@@ -162,7 +162,7 @@ def variant_record(settings: StudySettings, variant: Variant,
         overrides=list(variant.overrides),
         steps=config.optim.max_steps, seed=config.seed,
         batch_size=config.data.batch_size, precision=config.precision.value,
-        block_size=len(result.simulated["acceptance_by_position"]) + 1,
+        block_size=BlockResults.load(run_dir / BLOCKS_FILE).block_size,  # DSpark drafts B
         train_wall_s=training_wall_s(run_dir), sessions=len(sessions(run_dir)),
         final_losses=final_losses(history, config.optim.max_steps),
         curve=curve(run_dir), simulated=result.simulated, engine=result.engine,

@@ -75,6 +75,12 @@ def aim_lines(records: list[StudyRecord]) -> list[str]:
     return lines
 
 
+def _padded(cells: list[str], width: int) -> list[str]:
+    """`cells` filled with "-" to `width` columns: a DSpark block drafts one more token than
+    the others' (B against B-1), so its row is one position longer."""
+    return cells + ["-"] * (width - len(cells))
+
+
 def conditional_acceptance(rates: list[float]) -> list[float]:
     """P(draft k accepted | drafts 1..k-1 accepted) from the shares of blocks accepting the
     first k drafts (NaN where no block got that far)."""
@@ -198,8 +204,8 @@ def markdown(records: list[StudyRecord], meta: dict[str, Any],
             ("Conditional acceptance: the share of blocks accepting draft k among those that "
              "accepted the first k-1 (where the chain breaks).", conditional_acceptance)):
         lines += ([caption, ""] if caption else [])
-        lines += table(head, [[r.variant, *map(_f, per_position(
-            r.simulated["acceptance_by_position"]))] for r in records])
+        lines += table(head, [[r.variant, *_padded(list(map(_f, per_position(
+            r.simulated["acceptance_by_position"]))), width)] for r in records])
         lines.append("")
     lines += ["## Learning curves (periodic evaluation on a fixed uniform draw of "
               "held-out blocks)", ""]
